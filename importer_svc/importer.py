@@ -1,0 +1,181 @@
+"""Importer stage: a torch.export program -> primitive Graph + one blob per weight tensor."""
+
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from importer_svc.lowerings import LOWERINGS
+from kiln import cache
+from kiln.digest import Digest
+from kiln.errors import FailedPrecondition, InvalidArgument, NotFound
+from kiln.ir.builder import GraphBuilder
+from kiln.ir.dtypes import DType
+from kiln.ir.graph import Graph, prune
+from kiln.ir.serialize import dtype_to_pb, graph_to_pb
+from kiln.ir.shape import format_shape
+from kiln.store import BlobStore
+from kiln.telemetry import span
+from kiln.v1 import ir_pb2
+
+STAGE_VERSION = "importer-1"
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    graph: Digest
+    manifest: Digest
+    node_count: int
+
+
+def load_program(data: bytes) -> torch.export.ExportedProgram:
+    try:
+        return torch.export.load(io.BytesIO(data))
+    except Exception as e:  # a malformed archive: torch raises many exception types here
+        raise InvalidArgument(f"not a torch.export program (.pt2): {type(e).__name__}: {e}") from e
+
+
+def source_of(node) -> str:
+    """`file:line` of the user code that produced an FX node, and its module path."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+    user = [f for f in frames if "/torch/" not in f[0] and "/transformers/" not in f[0]] or frames
+    where = f"{user[-1][0]}:{user[-1][1]} `{user[-1][2].strip()}`" if user else "unknown source line"
+    stack = node.meta.get("nn_module_stack") or {}
+    module = list(stack.values())[-1][0] if stack else ""
+    return f"{where}" + (f" in module '{module}'" if module else "")
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    if t.dtype is torch.bfloat16:
+        return t.view(torch.int16).numpy().tobytes()
+    return t.numpy().tobytes()
+
+
+def lower_program(ep: torch.export.ExportedProgram) -> tuple[Graph, dict[str, torch.Tensor]]:
+    with span("importer.decompose"):
+        ep = ep.run_decompositions()
+    sig = ep.graph_signature
+    weight_of: dict[str, str] = {}
+    for spec in sig.input_specs:
+        if spec.kind.name in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
+            weight_of[spec.arg.name] = spec.target
+    tensors: dict[str, torch.Tensor] = {}
+    b = GraphBuilder()
+    env: dict[str, object] = {}
+
+    def lookup(a):
+        if isinstance(a, torch.fx.Node):
+            return env[a.name]
+        if isinstance(a, (list, tuple)):
+            return type(a)(lookup(x) for x in a)
+        return a
+
+    outputs: list[int] = []
+    for node in ep.graph.nodes:
+        b.source = ""
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise FailedPrecondition(f"input {node.name!r} is not a tensor ({type(val).__name__}); "
+                                         "kiln takes tensor inputs only")
+            shape = _static(val.shape, node)
+            dtype = DType.from_torch(val.dtype)
+            if node.name in weight_of:
+                name = weight_of[node.name]
+                tensor = ep.state_dict.get(name)
+                if tensor is None:
+                    tensor = ep.constants.get(name)
+                if tensor is None:
+                    raise InvalidArgument(f"weight {name!r} is missing from the program's state dict")
+                tensors[name] = tensor
+                env[node.name] = b.weight(name, shape, dtype)
+            else:
+                env[node.name] = b.input(node.name, shape, dtype)
+        elif node.op == "call_function":
+            fn = LOWERINGS.get(node.target)
+            b.source = f"{node.target} at {source_of(node)}"
+            if fn is None:
+                raise FailedPrecondition(f"ATen op {node.target} has no kiln lowering "
+                                         f"(used at {source_of(node)})")
+            try:
+                result = fn(b, node, *lookup(node.args), **{k: lookup(v) for k, v in node.kwargs.items()})
+            except (FailedPrecondition, InvalidArgument):
+                raise
+            except NotImplementedError as e:
+                raise FailedPrecondition(f"ATen op {node.target} is not supported with these arguments: {e} "
+                                         f"(used at {source_of(node)})") from e
+            _check_meta(b, node, result)
+            env[node.name] = result
+        elif node.op == "output":
+            outs = node.args[0]
+            outputs = [env[o.name] for o in outs]
+        elif node.op == "get_attr":
+            raise FailedPrecondition(f"get_attr node {node.target!r} is not supported")
+    user_outputs = [s.arg.name for s in sig.output_specs if s.kind.name == "USER_OUTPUT"]
+    if len(user_outputs) != len(outputs):
+        raise FailedPrecondition("programs that mutate buffers or return non-user outputs are not supported")
+    from torch.utils import _pytree as pytree
+
+    tree = pytree.treespec_dumps(ep.call_spec.out_spec) if ep.call_spec.out_spec is not None else ""
+    graph = prune(b.build(outputs, user_outputs, tree))
+    return graph, tensors
+
+
+def _static(shape, node) -> tuple[int, ...]:
+    dims = []
+    for d in shape:
+        if not isinstance(d, int):
+            try:
+                d = int(d)
+            except Exception as e:
+                raise FailedPrecondition(f"symbolic dim {d} of {node.name!r}: dynamic shapes are not supported "
+                                         "yet; export with static shapes") from e
+        dims.append(d)
+    return tuple(dims)
+
+
+def _check_meta(b: GraphBuilder, node, result) -> None:
+    """A lowering whose shape or dtype disagrees with torch's is a kiln bug: fail loudly."""
+    vals = node.meta.get("val")
+    if isinstance(vals, torch.Tensor):
+        vals, results = [vals], [result]
+    elif isinstance(vals, (tuple, list)):
+        results = result
+    else:
+        return
+    for v, r in zip(vals, results):
+        if not isinstance(v, torch.Tensor) or r is None:
+            continue
+        want = _static(v.shape, node)
+        if tuple(b.shape(r)) != want or b.dtype(r) is not DType.from_torch(v.dtype):
+            raise AssertionError(f"lowering of {node.target} gave {b.dtype(r).value}{format_shape(b.shape(r))}, "
+                                 f"torch says {v.dtype}{list(want)}")
+
+
+def import_program(store: BlobStore, program: Digest) -> ImportResult:
+    key = cache.action_key("import", STAGE_VERSION, {"program": program}, {})
+    hit = cache.lookup(store, key)
+    if hit is not None:
+        g = store.get_message(hit["graph"], ir_pb2.Graph)
+        return ImportResult(hit["graph"], hit["manifest"], len(g.nodes))
+    with span("importer.load", **{"kiln.program": str(program)}):
+        data = store.get(program)
+        ep = load_program(data)
+    with span("importer.lower"):
+        graph, tensors = lower_program(ep)
+    with span("importer.upload_weights", **{"kiln.weights": len(tensors)}):
+        manifest = ir_pb2.WeightManifest()
+        for w in graph.weights:
+            t = tensors[w.name]
+            d = store.put(_tensor_bytes(t))
+            manifest.weights.add(name=w.name, dtype=dtype_to_pb(w.dtype), shape=list(t.shape), digest=d.to_pb())
+        manifest_d = store.put_message(manifest)
+    graph_d = store.put_message(graph_to_pb(graph))
+    cache.record(store, key, {"graph": graph_d, "manifest": manifest_d})
+    return ImportResult(graph_d, manifest_d, len(graph.nodes))

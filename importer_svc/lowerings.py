@@ -1,0 +1,547 @@
+"""One lowering per ATen op, registered by decorator: the importer's whole op coverage.
+
+A lowering receives the GraphBuilder, the FX node (for its output meta) and the op's
+arguments with tensors replaced by node ids, and returns a node id (or a tuple of them).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Callable
+
+import torch
+
+from importer_svc import compose as C
+from kiln.ir import view as views
+from kiln.ir.builder import GraphBuilder, NodeId
+from kiln.ir.dtypes import DType
+from kiln.ir.ops import Op
+
+aten = torch.ops.aten
+
+LOWERINGS: dict[object, Callable] = {}
+
+
+def register_lowering(*targets):
+    def deco(fn):
+        for t in targets:
+            LOWERINGS[t] = fn
+        return fn
+
+    return deco
+
+
+def out_dtype(node) -> DType:
+    val = node.meta["val"]
+    if isinstance(val, (tuple, list)):
+        val = val[0]
+    return DType.from_torch(val.dtype)
+
+
+def is_scalar(x) -> bool:
+    return not isinstance(x, NodeId)
+
+
+def _to(b: GraphBuilder, x, dtype: DType, like=None) -> int:
+    """A tensor id of `dtype`; Python scalars become broadcast constants shaped like `like`."""
+    if is_scalar(x):
+        return b.const(x, dtype, b.shape(like) if like is not None else ())
+    return b.cast(x, dtype)
+
+
+def _binary_args(b, node, x, y):
+    dt = out_dtype(node)
+    if node.target in _COMPARISONS:
+        dt = _promote_for_compare(b, x, y)
+    xt = _to(b, x, dt, y if is_scalar(x) else None)
+    yt = _to(b, y, dt, xt)
+    return b.broadcast(xt, yt)
+
+
+def _promote_for_compare(b, x, y) -> DType:
+    dts = [b.dtype(v) for v in (x, y) if not is_scalar(v)]
+    floats = [d for d in dts if d.is_float]
+    if floats:
+        return floats[0]
+    if any(isinstance(v, float) for v in (x, y)):
+        return DType.F32
+    return DType.I64 if DType.I64 in dts else dts[0]
+
+
+# ---- elementwise arithmetic ----
+
+@register_lowering(aten.add.Tensor, aten.add.Scalar)
+def lower_add(b, node, x, y, alpha=1):
+    x, y = _binary_args(b, node, x, y)
+    if alpha != 1:
+        y = C.mul(b, y, C.scalar(b, y, alpha))
+    return C.add(b, x, y)
+
+
+@register_lowering(aten.sub.Tensor, aten.sub.Scalar)
+def lower_sub(b, node, x, y, alpha=1):
+    x, y = _binary_args(b, node, x, y)
+    if alpha != 1:
+        y = C.mul(b, y, C.scalar(b, y, alpha))
+    return C.sub(b, x, y)
+
+
+@register_lowering(aten.rsub.Scalar, aten.rsub.Tensor)
+def lower_rsub(b, node, x, y, alpha=1):
+    return lower_sub(b, node, y, x, alpha)
+
+
+@register_lowering(aten.mul.Tensor, aten.mul.Scalar)
+def lower_mul(b, node, x, y):
+    x, y = _binary_args(b, node, x, y)
+    if b.dtype(x) is DType.BOOL:
+        return C.logical_and(b, x, y)
+    return C.mul(b, x, y)
+
+
+@register_lowering(aten.div.Tensor, aten.div.Scalar)
+def lower_div(b, node, x, y):
+    x, y = _binary_args(b, node, x, y)
+    return C.div(b, x, y)
+
+
+@register_lowering(aten.neg.default)
+def lower_neg(b, node, x):
+    return C.neg(b, x)
+
+
+@register_lowering(aten.exp.default)
+def lower_exp(b, node, x):
+    return C.exp(b, _to(b, x, out_dtype(node)))
+
+
+@register_lowering(aten.log.default)
+def lower_log(b, node, x):
+    return C.log(b, _to(b, x, out_dtype(node)))
+
+
+@register_lowering(aten.sqrt.default)
+def lower_sqrt(b, node, x):
+    return b.unary(Op.SQRT, _to(b, x, out_dtype(node)))
+
+
+@register_lowering(aten.rsqrt.default)
+def lower_rsqrt(b, node, x):
+    return b.unary(Op.RECIP, b.unary(Op.SQRT, _to(b, x, out_dtype(node))))
+
+
+@register_lowering(aten.reciprocal.default)
+def lower_reciprocal(b, node, x):
+    return b.unary(Op.RECIP, _to(b, x, out_dtype(node)))
+
+
+@register_lowering(aten.sin.default)
+def lower_sin(b, node, x):
+    return b.unary(Op.SIN, _to(b, x, out_dtype(node)))
+
+
+@register_lowering(aten.cos.default)
+def lower_cos(b, node, x):
+    x = _to(b, x, out_dtype(node))
+    return b.unary(Op.SIN, C.add(b, x, C.scalar(b, x, math.pi / 2)))
+
+
+@register_lowering(aten.abs.default)
+def lower_abs(b, node, x):
+    return C.abs_(b, x)
+
+
+@register_lowering(aten.pow.Tensor_Scalar)
+def lower_pow(b, node, x, e):
+    x = _to(b, x, out_dtype(node))
+    if e == 2:
+        return C.mul(b, x, x)
+    if e == 1:
+        return x
+    if e == 0.5:
+        return b.unary(Op.SQRT, x)
+    if e == -1:
+        return b.unary(Op.RECIP, x)
+    if float(e).is_integer() and 0 < e <= 8:
+        r = x
+        for _ in range(int(e) - 1):
+            r = C.mul(b, r, x)
+        return r
+    # x ** e = 2 ** (e * log2 x), defined for x > 0 as torch is for non-integer e
+    return b.unary(Op.EXP2, C.mul(b, b.unary(Op.LOG2, x), C.scalar(b, x, e)))
+
+
+@register_lowering(aten.maximum.default)
+def lower_maximum(b, node, x, y):
+    return C.maximum(b, *_binary_args(b, node, x, y))
+
+
+@register_lowering(aten.minimum.default)
+def lower_minimum(b, node, x, y):
+    return C.minimum(b, *_binary_args(b, node, x, y))
+
+
+# ---- activations ----
+
+@register_lowering(aten.relu.default)
+def lower_relu(b, node, x):
+    return C.relu(b, x)
+
+
+@register_lowering(aten.gelu.default)
+def lower_gelu(b, node, x, approximate="none"):
+    return C.gelu_tanh(b, x) if approximate == "tanh" else C.gelu(b, x)
+
+
+@register_lowering(aten.tanh.default)
+def lower_tanh(b, node, x):
+    return C.tanh(b, _to(b, x, out_dtype(node)))
+
+
+@register_lowering(aten.sigmoid.default)
+def lower_sigmoid(b, node, x):
+    return C.sigmoid(b, _to(b, x, out_dtype(node)))
+
+
+@register_lowering(aten.silu.default)
+def lower_silu(b, node, x):
+    return C.mul(b, x, C.sigmoid(b, x))
+
+
+@register_lowering(aten.erf.default)
+def lower_erf(b, node, x):
+    return C.erf(b, _to(b, x, out_dtype(node)))
+
+
+# ---- comparisons and logic ----
+
+_COMPARISONS = {aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.ne.Tensor, aten.lt.Scalar, aten.lt.Tensor,
+                aten.gt.Scalar, aten.gt.Tensor, aten.le.Scalar, aten.le.Tensor, aten.ge.Scalar, aten.ge.Tensor}
+
+
+@register_lowering(aten.eq.Scalar, aten.eq.Tensor)
+def lower_eq(b, node, x, y):
+    return C.eq(b, *_binary_args(b, node, x, y))
+
+
+@register_lowering(aten.ne.Scalar, aten.ne.Tensor)
+def lower_ne(b, node, x, y):
+    return C.logical_not(b, C.eq(b, *_binary_args(b, node, x, y)))
+
+
+@register_lowering(aten.lt.Scalar, aten.lt.Tensor)
+def lower_lt(b, node, x, y):
+    return C.lt(b, *_binary_args(b, node, x, y))
+
+
+@register_lowering(aten.gt.Scalar, aten.gt.Tensor)
+def lower_gt(b, node, x, y):
+    x, y = _binary_args(b, node, x, y)
+    return C.lt(b, y, x)
+
+
+@register_lowering(aten.le.Scalar, aten.le.Tensor)
+def lower_le(b, node, x, y):
+    x, y = _binary_args(b, node, x, y)
+    return C.logical_or(b, C.lt(b, x, y), C.eq(b, x, y))
+
+
+@register_lowering(aten.ge.Scalar, aten.ge.Tensor)
+def lower_ge(b, node, x, y):
+    x, y = _binary_args(b, node, x, y)
+    return C.logical_or(b, C.lt(b, y, x), C.eq(b, x, y))
+
+
+@register_lowering(aten.logical_not.default)
+def lower_logical_not(b, node, x):
+    return C.logical_not(b, _to(b, x, DType.BOOL))
+
+
+@register_lowering(aten.logical_and.default)
+def lower_logical_and(b, node, x, y):
+    return C.logical_and(b, _to(b, x, DType.BOOL), _to(b, y, DType.BOOL))
+
+
+@register_lowering(aten.logical_or.default)
+def lower_logical_or(b, node, x, y):
+    return C.logical_or(b, _to(b, x, DType.BOOL), _to(b, y, DType.BOOL))
+
+
+@register_lowering(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
+def lower_where(b, node, cond, x, y):
+    dt = out_dtype(node)
+    like = next((v for v in (x, y, cond) if not is_scalar(v)), None)
+    xt = _to(b, x, dt, like)
+    yt = _to(b, y, dt, like)
+    return b.where(_to(b, cond, DType.BOOL), xt, yt)
+
+
+# ---- reductions ----
+
+@register_lowering(aten.sum.dim_IntList, aten.sum.default)
+def lower_sum(b, node, x, dim=None, keepdim=False, dtype=None):
+    return C.reduce_axes(b, Op.SUM_REDUCE, _to(b, x, out_dtype(node)), dim, keepdim)
+
+
+@register_lowering(aten.mean.dim, aten.mean.default)
+def lower_mean(b, node, x, dim=None, keepdim=False, dtype=None):
+    return C.mean(b, _to(b, x, out_dtype(node)), dim, keepdim)
+
+
+@register_lowering(aten.amax.default)
+def lower_amax(b, node, x, dim=(), keepdim=False):
+    return C.reduce_axes(b, Op.MAX_REDUCE, x, dim, keepdim)
+
+
+@register_lowering(aten.any.dim, aten.any.dims, aten.any.default)
+def lower_any(b, node, x, dim=None, keepdim=False):
+    dims = [dim] if isinstance(dim, int) else dim
+    as_float = b.cast(_to(b, x, DType.BOOL), DType.F32)
+    return b.cast(C.reduce_axes(b, Op.MAX_REDUCE, as_float, dims, keepdim), DType.BOOL)
+
+
+@register_lowering(aten._softmax.default)
+def lower_softmax(b, node, x, dim, half_to_float=False):
+    return C.softmax(b, _to(b, x, out_dtype(node)), dim)
+
+
+@register_lowering(aten._log_softmax.default)
+def lower_log_softmax(b, node, x, dim, half_to_float=False):
+    return C.log_softmax(b, _to(b, x, out_dtype(node)), dim)
+
+
+@register_lowering(aten.native_layer_norm.default)
+def lower_layer_norm(b, node, x, normalized_shape, weight, bias, eps):
+    shape = b.shape(x)
+    k = len(normalized_shape)
+    axes = list(range(len(shape) - k, len(shape)))
+    mean = C.mean(b, x, axes, True)
+    xc = C.sub(b, x, mean)
+    var = C.mean(b, C.mul(b, xc, xc), axes, True)
+    rstd = b.unary(Op.RECIP, b.unary(Op.SQRT, C.add(b, var, C.scalar(b, var, eps))))
+    y = C.mul(b, xc, rstd)
+    if weight is not None:
+        y = C.mul(b, y, weight)
+    if bias is not None:
+        y = C.add(b, y, bias)
+    return y, mean, rstd
+
+
+# ---- linear algebra ----
+
+@register_lowering(aten.mm.default, aten.bmm.default, aten.matmul.default)
+def lower_mm(b, node, x, y):
+    return C.matmul(b, x, y)
+
+
+@register_lowering(aten.addmm.default)
+def lower_addmm(b, node, bias, x, y, beta=1, alpha=1):
+    r = C.matmul(b, x, y)
+    if alpha != 1:
+        r = C.mul(b, r, C.scalar(b, r, alpha))
+    if beta != 1:
+        bias = C.mul(b, bias, C.scalar(b, bias, beta))
+    return C.add(b, r, bias)
+
+
+@register_lowering(aten.embedding.default)
+def lower_embedding(b, node, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    v, h = b.shape(weight)
+    ishape = b.shape(indices)
+    n = 1
+    for d in ishape:
+        n = d * n
+    idx = b.expand(b.reshape(b.cast(indices, DType.I64), (n, 1)), (n, h))
+    return b.reshape(b.gather(weight, idx, 0), tuple(ishape) + (h,))
+
+
+# ---- movement ----
+
+def _resolve_shape(old, new):
+    new = list(new)
+    if -1 in new:
+        known = 1
+        for d in new:
+            if d != -1:
+                known = d * known
+        total = 1
+        for d in old:
+            total = d * total
+        new[new.index(-1)] = total // known
+    return tuple(new)
+
+
+@register_lowering(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def lower_view(b, node, x, shape):
+    return b.reshape(x, _resolve_shape(b.shape(x), shape))
+
+
+@register_lowering(aten.permute.default)
+def lower_permute(b, node, x, dims):
+    rank = len(b.shape(x))
+    return b.permute(x, tuple(d % rank for d in dims))
+
+
+@register_lowering(aten.transpose.int)
+def lower_transpose(b, node, x, d0, d1):
+    rank = len(b.shape(x))
+    perm = list(range(rank))
+    perm[d0 % rank], perm[d1 % rank] = perm[d1 % rank], perm[d0 % rank]
+    return b.permute(x, tuple(perm))
+
+
+@register_lowering(aten.t.default)
+def lower_t(b, node, x):
+    return b.permute(x, (1, 0)) if len(b.shape(x)) == 2 else x
+
+
+@register_lowering(aten.expand.default)
+def lower_expand(b, node, x, shape):
+    src = b.shape(x)
+    lead = len(shape) - len(src)
+    full = tuple(src[i - lead] if (d == -1 and i >= lead) else d for i, d in enumerate(shape))
+    return b.expand(x, full)
+
+
+@register_lowering(aten.unsqueeze.default)
+def lower_unsqueeze(b, node, x, dim):
+    shape = list(b.shape(x))
+    dim = dim % (len(shape) + 1)
+    shape.insert(dim, 1)
+    return b.reshape(x, tuple(shape))
+
+
+@register_lowering(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def lower_squeeze(b, node, x, dim=None):
+    shape = b.shape(x)
+    dims = range(len(shape)) if dim is None else ([dim] if isinstance(dim, int) else dim)
+    drop = {d % len(shape) for d in dims if shape[d % len(shape)] == 1} if shape else set()
+    return b.reshape(x, tuple(d for i, d in enumerate(shape) if i not in drop))
+
+
+@register_lowering(aten.slice.Tensor)
+def lower_slice(b, node, x, dim=0, start=None, end=None, step=1):
+    shape = b.shape(x)
+    dim = dim % len(shape)
+    n = shape[dim]
+    start = 0 if start is None else start
+    end = n if end is None else end
+    start = max(0, min(n, start + n if start < 0 else start))
+    end = max(start, min(n, end + n if end < 0 else end))
+    return b.view(x, views.slice_(shape, dim, start, end, step))
+
+
+@register_lowering(aten.select.int)
+def lower_select(b, node, x, dim, index):
+    shape = b.shape(x)
+    dim = dim % len(shape)
+    index = index % shape[dim]
+    s = b.view(x, views.slice_(shape, dim, index, index + 1, 1))
+    return b.reshape(s, tuple(d for i, d in enumerate(shape) if i != dim))
+
+
+@register_lowering(aten.split_with_sizes.default, aten.split.Tensor)
+def lower_split(b, node, x, sizes, dim=0):
+    shape = b.shape(x)
+    dim = dim % len(shape)
+    if isinstance(sizes, int):
+        sizes = [min(sizes, shape[dim] - s) for s in range(0, shape[dim], sizes)]
+    out, start = [], 0
+    for s in sizes:
+        out.append(b.view(x, views.slice_(shape, dim, start, start + s, 1)))
+        start += s
+    return tuple(out)
+
+
+@register_lowering(aten.cat.default)
+def lower_cat(b, node, tensors, dim=0):
+    dt = out_dtype(node)
+    tensors = [b.cast(t, dt) for t in tensors if 0 not in b.shape(t) or len(b.shape(t)) != 1]
+    rank = len(b.shape(tensors[0]))
+    dim = dim % rank
+    total = sum(b.shape(t)[dim] for t in tensors)
+    acc, start = None, 0
+    work = DType.I32 if dt is DType.BOOL else dt
+    for t in tensors:
+        n = b.shape(t)[dim]
+        pads = tuple((start, total - start - n) if i == dim else (0, 0) for i in range(rank))
+        p = b.view(b.cast(t, work), views.pad(b.shape(t), pads))
+        acc = p if acc is None else C.add(b, acc, p)
+        start += n
+    return b.cast(acc, dt)
+
+
+@register_lowering(aten.constant_pad_nd.default)
+def lower_constant_pad_nd(b, node, x, pad, value=0):
+    shape = b.shape(x)
+    pads = [(0, 0)] * len(shape)
+    for i in range(len(pad) // 2):
+        pads[len(shape) - 1 - i] = (pad[2 * i], pad[2 * i + 1])
+    if any(p < 0 for pair in pads for p in pair):
+        raise NotImplementedError("negative padding")
+    padded = b.view(x, views.pad(shape, tuple(pads)))
+    if value == 0:
+        return padded
+    inside = b.view(b.const(True, DType.BOOL, shape), views.pad(shape, tuple(pads)))
+    return b.where(inside, padded, C.scalar(b, padded, value))
+
+
+# ---- copies, casts, constructors ----
+
+@register_lowering(aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
+                   aten.lift_fresh_copy.default)
+def lower_identity(b, node, x, **_):
+    return x
+
+
+@register_lowering(aten._to_copy.default)
+def lower_to_copy(b, node, x, **_):
+    return b.cast(x, out_dtype(node))
+
+
+def _static_shape(node):
+    return tuple(int(d) for d in node.meta["val"].shape)
+
+
+@register_lowering(aten.full.default)
+def lower_full(b, node, size, value, **_):
+    return b.const(value, out_dtype(node), _static_shape(node))
+
+
+@register_lowering(aten.full_like.default)
+def lower_full_like(b, node, x, value, **_):
+    return b.const(value, out_dtype(node), b.shape(x))
+
+
+@register_lowering(aten.zeros_like.default)
+def lower_zeros_like(b, node, x, **_):
+    return b.const(0, out_dtype(node), b.shape(x))
+
+
+@register_lowering(aten.ones_like.default)
+def lower_ones_like(b, node, x, **_):
+    return b.const(1, out_dtype(node), b.shape(x))
+
+
+@register_lowering(aten.scalar_tensor.default)
+def lower_scalar_tensor(b, node, value, **_):
+    return b.const(value, out_dtype(node), ())
+
+
+@register_lowering(aten.arange.start_step, aten.arange.default, aten.arange.start)
+def lower_arange(b, node, *args, **_):
+    n = _static_shape(node)[0]
+    start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
+    dt = out_dtype(node)
+    i = b.iota((n,), 0, dt)
+    if step != 1:
+        i = C.mul(b, i, C.scalar(b, i, step))
+    if start != 0:
+        i = C.add(b, i, C.scalar(b, i, start))
+    return i
+
+
+@register_lowering(operator.getitem)
+def lower_getitem(b, node, seq, i):
+    return seq[i]

@@ -1,0 +1,37 @@
+"""The action cache: ac/<sha256 of (stage, version, input digests, canonical options)> -> results."""
+
+from __future__ import annotations
+
+import json
+from typing import Mapping, Optional
+
+from kiln.digest import Digest, digest_bytes
+from kiln.store import BlobStore
+from kiln.telemetry import current_span
+from kiln.v1 import ir_pb2
+
+
+def action_key(stage: str, version: str, inputs: Mapping[str, Digest], options: Mapping[str, object]) -> str:
+    canon = json.dumps({"stage": stage, "version": version, "inputs": {k: str(v) for k, v in sorted(inputs.items())},
+                        "options": dict(sorted(options.items()))}, sort_keys=True, separators=(",", ":"))
+    return digest_bytes(canon.encode()).hash
+
+
+def lookup(store: BlobStore, key: str) -> Optional[dict[str, Digest]]:
+    d = store.get_action(key)
+    if d is None:
+        current_span().set_attribute("kiln.action_cache", "miss")
+        return None
+    rec = store.get_message(d, ir_pb2.ActionResult)
+    outs = {k: Digest.from_pb(v) for k, v in rec.outputs.items()}
+    if not all(store.exists(v) for v in outs.values()):
+        return None
+    current_span().set_attribute("kiln.action_cache", "hit")
+    return outs
+
+
+def record(store: BlobStore, key: str, outputs: Mapping[str, Digest]) -> None:
+    rec = ir_pb2.ActionResult()
+    for k, v in outputs.items():
+        rec.outputs[k].CopyFrom(v.to_pb())
+    store.put_action(key, store.put_message(rec))

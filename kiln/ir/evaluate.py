@@ -1,0 +1,98 @@
+"""Reference evaluator: runs a Graph with numpy, one op at a time.
+
+It is the semantics of the IR that rule tests and the optimizer's property test compare
+against; it is never used to serve requests.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from kiln.ir.graph import Graph, Node
+from kiln.ir.ops import Op
+from kiln.ir.shape import evaluate_dim, numel
+from kiln.ir.view import ViewSpec
+
+
+def apply_view(src: np.ndarray, spec: ViewSpec, env: Mapping[str, int]) -> np.ndarray:
+    shape = tuple(evaluate_dim(d, env) for d in spec.shape)
+    flat = np.ascontiguousarray(src).reshape(-1)
+    idx = np.full(shape, evaluate_dim(spec.offset, env), dtype=np.int64)
+    valid = np.ones(shape, dtype=bool)
+    for k, (n, st) in enumerate(zip(shape, spec.strides)):
+        ar = np.arange(n, dtype=np.int64).reshape([n if j == k else 1 for j in range(len(shape))])
+        idx = idx + ar * evaluate_dim(st, env)
+        if spec.mask is not None:
+            lo, hi = (evaluate_dim(v, env) for v in spec.mask[k])
+            valid = valid & (ar >= lo) & (ar < hi)
+    safe = np.where(valid, idx, 0)
+    if flat.size == 0:
+        return np.zeros(shape, dtype=src.dtype)
+    return np.where(valid, flat[safe], np.zeros((), dtype=src.dtype)).astype(src.dtype)
+
+
+def evaluate(g: Graph, inputs: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray],
+             env: Mapping[str, int] | None = None) -> list[np.ndarray]:
+    env = dict(env or {})
+    vals: list[np.ndarray] = []
+    with np.errstate(all="ignore"):
+        for n in g.nodes:
+            vals.append(_eval_node(n, [vals[j] for j in n.inputs], inputs, weights, env))
+    return [vals[o] for o in g.outputs]
+
+
+def _eval_node(n: Node, a: list[np.ndarray], inputs, weights, env) -> np.ndarray:
+    dt = n.dtype.numpy
+    op = n.op
+    if op is Op.INPUT:
+        return np.asarray(inputs[n.name])
+    if op is Op.WEIGHT:
+        return np.asarray(weights[n.name])
+    if op is Op.CONSTANT:
+        return np.asarray(n.value, dtype=dt)
+    if op is Op.VIEW:
+        return apply_view(a[0], n.view, env)
+    if op is Op.EXP2:
+        return np.exp2(a[0]).astype(dt)
+    if op is Op.LOG2:
+        return np.log2(a[0]).astype(dt)
+    if op is Op.SIN:
+        return np.sin(a[0]).astype(dt)
+    if op is Op.SQRT:
+        return np.sqrt(a[0]).astype(dt)
+    if op is Op.RECIP:
+        return (np.ones((), dt) / a[0]).astype(dt)
+    if op is Op.ADD:
+        return (a[0] | a[1]) if dt == np.bool_ else (a[0] + a[1]).astype(dt)
+    if op is Op.MUL:
+        return (a[0] & a[1]) if dt == np.bool_ else (a[0] * a[1]).astype(dt)
+    if op is Op.MOD:
+        return np.mod(a[0], a[1]).astype(dt)  # floor mod, the sign of the divisor (torch.remainder)
+    if op is Op.LESS_THAN:
+        return a[0] < a[1]
+    if op is Op.WHERE:
+        return np.where(a[0], a[1], a[2]).astype(dt)
+    if op is Op.SUM_REDUCE:
+        return np.sum(a[0], axis=n.axis, keepdims=True, dtype=dt)
+    if op is Op.MAX_REDUCE:
+        if a[0].shape[n.axis] == 0:
+            return np.full(tuple(evaluate_dim(d, env) for d in n.shape), -np.inf, dtype=dt)
+        return np.max(a[0], axis=n.axis, keepdims=True)
+    if op is Op.CAST:
+        return a[0].astype(dt)
+    if op is Op.IOTA:
+        shape = tuple(evaluate_dim(d, env) for d in n.shape)
+        ar = np.arange(shape[n.axis], dtype=dt).reshape([-1 if k == n.axis else 1 for k in range(len(shape))])
+        return np.broadcast_to(ar, shape).copy()
+    if op is Op.GATHER:
+        return np.take_along_axis(a[0], a[1].astype(np.int64), axis=n.axis)
+    if op is Op.SCATTER:
+        out = a[0].copy()
+        np.put_along_axis(out, a[1].astype(np.int64), a[2], axis=n.axis)
+        return out
+    raise NotImplementedError(op)
+
+
+__all__ = ["evaluate", "apply_view", "numel"]

@@ -1,0 +1,131 @@
+"""The primitive IR: an immutable DAG of nodes in topological order.
+
+Binary ops and Where take inputs of identical shape; broadcasting is always an explicit View.
+Reductions keep the reduced axis with size 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kiln.ir.dtypes import DType
+from kiln.ir.ops import GroupOp, Op
+from kiln.ir.shape import Shape, format_shape
+from kiln.ir.view import ViewSpec
+
+
+@dataclass(frozen=True)
+class Node:
+    op: Op
+    inputs: tuple[int, ...]
+    shape: Shape
+    dtype: DType
+    name: str = ""              # Input / Weight
+    value: float = 0.0          # Constant (a scalar; broadcast it with a View)
+    view: Optional[ViewSpec] = None
+    axis: int = 0               # reductions, Gather, Scatter
+    source: str = ""            # where the node came from (ATen op and source line), for errors
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: Shape
+    dtype: DType
+
+
+@dataclass(frozen=True)
+class Graph:
+    nodes: tuple[Node, ...]
+    inputs: tuple[TensorSpec, ...]
+    weights: tuple[TensorSpec, ...]
+    outputs: tuple[int, ...]
+    output_names: tuple[str, ...] = ()
+    # pytree structure of the module's outputs, as torch's treespec string (opaque to kiln)
+    output_tree: str = ""
+
+    def consumers(self) -> list[list[int]]:
+        users: list[list[int]] = [[] for _ in self.nodes]
+        for i, n in enumerate(self.nodes):
+            for j in n.inputs:
+                users[j].append(i)
+        return users
+
+    def format(self) -> str:
+        lines = [f"graph: {len(self.nodes)} nodes"]
+        for t in self.inputs:
+            lines.append(f"  input  {t.name}: {t.dtype.value}{format_shape(t.shape)}")
+        for t in self.weights:
+            lines.append(f"  weight {t.name}: {t.dtype.value}{format_shape(t.shape)}")
+        for i, n in enumerate(self.nodes):
+            lines.append(f"  %{i} = {format_node(n)}")
+        lines.append("  return " + ", ".join(f"%{o}" for o in self.outputs))
+        return "\n".join(lines)
+
+
+def format_node(n: Node) -> str:
+    args = ", ".join(f"%{j}" for j in n.inputs)
+    extra = ""
+    if n.op in (Op.INPUT, Op.WEIGHT):
+        extra = repr(n.name)
+    elif n.op is Op.CONSTANT:
+        extra = repr(n.value)
+    elif n.op is Op.VIEW:
+        extra = n.view.key()
+    elif n.op in GroupOp.Reduce or n.op in (Op.GATHER, Op.SCATTER):
+        extra = f"axis={n.axis}"
+    inner = ", ".join(x for x in (args, extra) if x)
+    return f"{n.op.value}({inner}) : {n.dtype.value}{format_shape(n.shape)}"
+
+
+def validate(g: Graph) -> None:
+    """Raise ValueError for a malformed graph: dangling or forward references, bad arity,
+    shape or dtype mismatches, non-positive static dims."""
+    arity = {**{o: 1 for o in GroupOp.Unary}, **{o: 2 for o in GroupOp.Binary}, Op.WHERE: 3,
+             Op.SUM_REDUCE: 1, Op.MAX_REDUCE: 1, Op.CAST: 1, Op.VIEW: 1, Op.GATHER: 2, Op.SCATTER: 3,
+             Op.IOTA: 0, Op.INPUT: 0, Op.WEIGHT: 0, Op.CONSTANT: 0}
+    input_names = {t.name for t in g.inputs}
+    weight_names = {t.name for t in g.weights}
+    for i, n in enumerate(g.nodes):
+        if len(n.inputs) != arity[n.op]:
+            raise ValueError(f"node %{i} {n.op.value} takes {arity[n.op]} inputs, got {len(n.inputs)}")
+        for j in n.inputs:
+            if not 0 <= j < i:
+                raise ValueError(f"node %{i} refers to %{j}, which is not an earlier node (cycle or dangling reference)")
+        for d in n.shape:
+            if isinstance(d, int) and d < 0:
+                raise ValueError(f"node %{i} has a negative dim in {format_shape(n.shape)}")
+        ins = [g.nodes[j] for j in n.inputs]
+        if n.op in GroupOp.Binary or n.op is Op.WHERE:
+            shapes = {x.shape for x in ins}
+            if len(shapes) != 1 or ins[0].shape != n.shape:
+                raise ValueError(f"node %{i} {n.op.value}: operand shapes differ ({[format_shape(x.shape) for x in ins]})")
+        if n.op is Op.INPUT and n.name not in input_names:
+            raise ValueError(f"node %{i} reads undeclared input {n.name!r}")
+        if n.op is Op.WEIGHT and n.name not in weight_names:
+            raise ValueError(f"node %{i} reads undeclared weight {n.name!r}")
+        if n.op is Op.VIEW and (n.view is None or tuple(n.view.shape) != tuple(n.shape)):
+            raise ValueError(f"node %{i} View has no spec or a spec of the wrong shape")
+    for o in g.outputs:
+        if not 0 <= o < len(g.nodes):
+            raise ValueError(f"graph output %{o} does not exist")
+
+
+def prune(g: Graph) -> Graph:
+    """Drop nodes no output depends on, renumbering the rest (order preserved)."""
+    live = [False] * len(g.nodes)
+    stack = list(g.outputs)
+    while stack:
+        i = stack.pop()
+        if not live[i]:
+            live[i] = True
+            stack.extend(g.nodes[i].inputs)
+    new_id, nodes = {}, []
+    for i, n in enumerate(g.nodes):
+        if live[i]:
+            new_id[i] = len(nodes)
+            nodes.append(Node(n.op, tuple(new_id[j] for j in n.inputs), n.shape, n.dtype, n.name, n.value,
+                              n.view, n.axis, n.source))
+    return Graph(tuple(nodes), g.inputs, g.weights, tuple(new_id[o] for o in g.outputs), g.output_names,
+                 g.output_tree)

@@ -1,0 +1,162 @@
+"""Partition an extracted Graph into kernels: the KernelGraph.
+
+A node is materialized (gets a buffer) when it is a leaf, an output, a reduction, a data op,
+read by several nodes, read through a broadcasting view, or read by a GEMM or data op;
+everything else is inlined into its single consumer's loop nest. A SumReduce of a broadcast
+Mul whose operands are views of buffers along disjoint broadcast axes is a GEMM kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.ir.graph import Graph
+from kiln.ir.ops import GroupOp, Op
+from kiln.ir.shape import numel
+from kiln.ir.view import ViewSpec, compose
+
+PARALLEL_MIN_ELEMENTS = 1 << 15  # below this a parallel loop costs more than it saves
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    kind: str                 # elementwise | reduce | gemm | gather | scatter
+    nodes: tuple[int, ...]    # nodes computed inside, in topological order (the last is `output`)
+    output: int
+    reads: tuple[int, ...]    # materialized nodes read
+    parallel: bool
+
+
+@dataclass(frozen=True)
+class KernelGraph:
+    graph: Graph
+    kernels: tuple[Kernel, ...]
+
+
+def view_root(g: Graph, i: int) -> tuple[int, list[ViewSpec]]:
+    """The non-view node under a chain of views, and the chain (innermost first)."""
+    chain = []
+    while g.nodes[i].op is Op.VIEW:
+        chain.append(g.nodes[i].view)
+        i = g.nodes[i].inputs[0]
+    return i, list(reversed(chain))
+
+
+def compose_chain(chain: list[ViewSpec]):
+    spec = chain[0] if chain else None
+    for v in chain[1:]:
+        spec = compose(spec, v)
+        if spec is None:
+            return None
+    return spec
+
+
+def _broadcasts(v: ViewSpec) -> bool:
+    return any(st == 0 and d != 1 for d, st in zip(v.shape, v.strides))
+
+
+def gemm_axes(g: Graph, reduce_id: int):
+    """(a_root, a_spec, b_root, b_spec) when reduce_id is a GEMM, else None."""
+    r = g.nodes[reduce_id]
+    if r.op is not Op.SUM_REDUCE or not r.dtype.is_float:
+        return None
+    m = g.nodes[r.inputs[0]]
+    if m.op is not Op.MUL:
+        return None
+    operands = []
+    for x in m.inputs:
+        root, chain = view_root(g, x)
+        spec = compose_chain(chain) if chain else ViewSpec.contiguous(g.nodes[root].shape)
+        if spec is None or spec.mask is not None or g.nodes[root].op is Op.CONSTANT:
+            return None
+        operands.append((root, spec))
+    (ra, sa), (rb, sb) = operands
+    k = r.axis
+    if sa.strides[k] == 0 or sb.strides[k] == 0:
+        return None
+    m_axes = [j for j, d in enumerate(m.shape) if j != k and d != 1 and sa.strides[j] != 0 and sb.strides[j] == 0]
+    n_axes = [j for j, d in enumerate(m.shape) if j != k and d != 1 and sa.strides[j] == 0 and sb.strides[j] != 0]
+    both0 = [j for j, d in enumerate(m.shape) if j != k and d != 1 and sa.strides[j] == 0 and sb.strides[j] == 0]
+    if both0 or not (m_axes or n_axes):
+        return None
+    return ra, sa, rb, sb
+
+
+def partition(g: Graph, fuse: bool = True) -> KernelGraph:
+    users = g.consumers()
+    outputs = set(g.outputs)
+    n = len(g.nodes)
+    materialize = [False] * n
+    gemms: dict[int, tuple] = {}
+    for i, node in enumerate(g.nodes):
+        op = node.op
+        if op in GroupOp.Leaf and op is not Op.CONSTANT:
+            materialize[i] = True
+        if op in GroupOp.Reduce or op in (Op.GATHER, Op.SCATTER) or i in outputs:
+            materialize[i] = True
+        if op in (Op.GATHER, Op.SCATTER):
+            for j in node.inputs:
+                materialize[view_root(g, j)[0]] = True
+        if op is Op.SUM_REDUCE and fuse:
+            ga = gemm_axes(g, i)
+            if ga is not None and len(users[node.inputs[0]]) == 1:
+                gemms[i] = ga
+                materialize[ga[0]] = materialize[ga[2]] = True
+    for i, node in enumerate(g.nodes):
+        if node.op in (Op.CONSTANT, Op.VIEW) or materialize[i]:
+            continue
+        if not fuse and (node.op in GroupOp.Elementwise or node.op is Op.IOTA):
+            materialize[i] = True
+            continue
+        # count real consumers, looking through views
+        readers = _readers(g, users, i)
+        if len(readers) != 1 or any(bcast for _, bcast in readers):
+            materialize[i] = True
+    for i in gemms:  # the Mul under a GEMM is computed by the GEMM, never materialized
+        materialize[g.nodes[i].inputs[0]] = False
+    kernels = []
+    for i, node in enumerate(g.nodes):
+        if not materialize[i] or node.op in (Op.INPUT, Op.WEIGHT):
+            continue
+        inside, reads = _collect(g, i, materialize, stop_at_mul=i in gemms)
+        kind = ("gemm" if i in gemms else "reduce" if node.op in GroupOp.Reduce else
+                "gather" if node.op is Op.GATHER else "scatter" if node.op is Op.SCATTER else "elementwise")
+        total = numel(g.nodes[node.inputs[0]].shape if node.op in GroupOp.Reduce else node.shape)
+        parallel = isinstance(total, int) and total >= PARALLEL_MIN_ELEMENTS and kind in ("elementwise", "reduce")
+        kernels.append(Kernel(f"k{len(kernels)}_{kind}", kind, tuple(inside), i, tuple(reads), parallel))
+    return KernelGraph(g, tuple(kernels))
+
+
+def _readers(g: Graph, users, i: int) -> list[tuple[int, bool]]:
+    """Non-view consumers of node i, with whether they read it through a broadcasting view."""
+    out = []
+    stack = [(u, False) for u in users[i]]
+    while stack:
+        u, bcast = stack.pop()
+        if g.nodes[u].op is Op.VIEW:
+            b2 = bcast or _broadcasts(g.nodes[u].view)
+            if not users[u]:  # a view that is itself an output reads i as a buffer
+                out.append((u, True))
+            stack.extend((w, b2) for w in users[u])
+        else:
+            out.append((u, bcast))
+    return out
+
+
+def _collect(g: Graph, root: int, materialize, stop_at_mul: bool):
+    inside, reads, seen = [], [], set()
+
+    def visit(j: int, top: bool):
+        if j in seen:
+            return
+        seen.add(j)
+        if materialize[j] and not top:
+            reads.append(j)
+            return
+        for k in g.nodes[j].inputs:
+            visit(k, False)
+        inside.append(j)
+
+    visit(root, True)
+    return inside, sorted(set(reads))

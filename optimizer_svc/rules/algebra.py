@@ -1,0 +1,54 @@
+"""Algebra: identities, constant folding and folding of scalar constant chains.
+
+Constants are scalars broadcast by a View; a rule that folds two constants requires both to
+be broadcast by the same spec, so the folded constant has the same shape. Bool constants are
+never folded arithmetically (Add/Mul on bool mean or/and).
+"""
+
+from __future__ import annotations
+
+from egglog import String, eq, f64, i64, ne, rewrite, rule, ruleset, union, var
+
+from optimizer_svc.terms import Term, nonneg
+
+algebra = ruleset(name="algebra")
+
+x, y = var("x", Term), var("y", Term)
+a, b = var("a", f64), var("b", f64)
+d, s = var("d", String), var("s", String)
+e = var("e", Term)
+
+
+def bcast(value, dtype=d, spec=s):
+    return Term.view(Term.const(value, dtype), spec)
+
+
+algebra.register(
+    # identities
+    rewrite(Term.mul(x, bcast(1.0))).to(x),
+    rewrite(Term.mul(bcast(1.0), x)).to(x),
+    rewrite(Term.add(x, bcast(0.0))).to(x),
+    rewrite(Term.add(bcast(0.0), x)).to(x),
+    rewrite(Term.recip(Term.recip(x))).to(x),
+    rewrite(Term.log2(Term.exp2(x))).to(x),
+    rule(eq(e).to(Term.exp2(Term.log2(x))), nonneg(x)).then(union(e).with_(x)),
+    # constant folding
+    rewrite(Term.add(bcast(a), bcast(b))).to(bcast(a + b), ne(d).to(String("bool"))),
+    rewrite(Term.mul(bcast(a), bcast(b))).to(bcast(a * b), ne(d).to(String("bool"))),
+    rewrite(Term.add(Term.const(a, d), Term.const(b, d))).to(Term.const(a + b, d), ne(d).to(String("bool"))),
+    rewrite(Term.mul(Term.const(a, d), Term.const(b, d))).to(Term.const(a * b, d), ne(d).to(String("bool"))),
+    rewrite(Term.recip(bcast(a))).to(bcast(f64(1.0) / a), ne(a).to(f64(0.0)), eq(d).to(String("f32"))),
+    # scalar chains: (x * a) * b -> x * (a*b), (x + a) + b -> x + (a+b)
+    rewrite(Term.mul(Term.mul(x, bcast(a)), bcast(b))).to(Term.mul(x, bcast(a * b)), ne(d).to(String("bool"))),
+    rewrite(Term.add(Term.add(x, bcast(a)), bcast(b))).to(Term.add(x, bcast(a + b)), ne(d).to(String("bool"))),
+    # the non-negativity analysis
+    rule(eq(e).to(Term.exp2(x))).then(nonneg(e)),
+    rule(eq(e).to(Term.sqrt(x))).then(nonneg(e)),
+    rule(eq(e).to(Term.mul(x, x))).then(nonneg(e)),
+    rule(eq(e).to(bcast(a)), a >= 0.0).then(nonneg(e)),
+    rule(eq(e).to(Term.add(x, y)), nonneg(x), nonneg(y)).then(nonneg(e)),
+    rule(eq(e).to(Term.mul(x, y)), nonneg(x), nonneg(y)).then(nonneg(e)),
+    rule(eq(e).to(Term.recip(x)), nonneg(x)).then(nonneg(e)),
+    rule(eq(e).to(Term.view(x, s)), nonneg(x)).then(nonneg(e)),
+    rule(eq(e).to(Term.sum_reduce(x, var("ax", i64))), nonneg(x)).then(nonneg(e)),
+)

@@ -1,0 +1,302 @@
+"""Equality saturation over a primitive Graph: encode, run bounded rulesets, extract.
+
+Extraction reads the serialized e-graph and picks, per e-class, the cheapest e-node by a
+bottom-up fixpoint (compute ops cost 1, views 0.01, leaves and constants 0), then rebuilds a
+Graph through GraphBuilder so shapes and dtypes are re-inferred and checked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from egglog import EGraph, String, set_
+
+from kiln.ir.builder import GraphBuilder
+from kiln.ir.dtypes import DType
+from kiln.ir.graph import Graph
+from kiln.ir.ops import GroupOp, Op
+from kiln.ir.view import ViewSpec, compose
+from kiln.telemetry import span
+from optimizer_svc.rules.algebra import algebra
+from optimizer_svc.rules.views import views
+from optimizer_svc.terms import Term, compose_views
+
+_UNARY = {Op.EXP2: Term.exp2, Op.LOG2: Term.log2, Op.SIN: Term.sin, Op.SQRT: Term.sqrt, Op.RECIP: Term.recip}
+_BINARY = {Op.ADD: Term.add, Op.MUL: Term.mul, Op.MOD: Term.mod, Op.LESS_THAN: Term.less_than}
+_BY_NAME = {"Term." + n: n for n in ("input", "weight", "const", "view", "exp2", "log2", "sin", "sqrt", "recip",
+                                      "add", "mul", "mod", "less_than", "where", "sum_reduce", "max_reduce",
+                                      "iota", "gather", "scatter", "cast", "output")}
+
+
+@dataclass
+class SearchLimits:
+    max_iterations: int = 16
+    max_enodes: int = 200_000
+    time_budget_s: float = 30.0
+    deadline: Optional[float] = None  # time.monotonic() at which the caller's deadline expires
+
+
+@dataclass
+class IterationStat:
+    iteration: int
+    enodes: int
+    eclasses: int
+    rules_fired: int
+
+
+@dataclass
+class SearchReport:
+    iterations: list[IterationStat] = field(default_factory=list)
+    rules: dict[str, int] = field(default_factory=dict)
+    stop_reason: str = ""
+    seconds: float = 0.0
+
+
+class _Encoder:
+    def __init__(self, g: Graph):
+        self.g = g
+        self.specs: dict[str, ViewSpec] = {}
+        self.shapes: dict[str, tuple] = {}
+        self.composed: set[tuple[str, str]] = set()
+
+    def spec_key(self, v: ViewSpec) -> str:
+        k = v.key()
+        self.specs[k] = v
+        return k
+
+    def term(self, n, args):
+        op = n.op
+        if op is Op.INPUT:
+            return Term.input(n.name)
+        if op is Op.WEIGHT:
+            return Term.weight(n.name)
+        if op is Op.CONSTANT:
+            return Term.const(n.value, n.dtype.value)
+        if op is Op.VIEW:
+            return Term.view(args[0], self.spec_key(n.view))
+        if op in _UNARY:
+            return _UNARY[op](args[0])
+        if op in _BINARY:
+            return _BINARY[op](args[0], args[1])
+        if op is Op.WHERE:
+            return Term.where(*args)
+        if op is Op.SUM_REDUCE:
+            return Term.sum_reduce(args[0], n.axis)
+        if op is Op.MAX_REDUCE:
+            return Term.max_reduce(args[0], n.axis)
+        if op is Op.IOTA:
+            key = ",".join(map(str, n.shape))
+            self.shapes[key] = n.shape
+            return Term.iota(key, n.axis, n.dtype.value)
+        if op is Op.GATHER:
+            return Term.gather(args[0], args[1], n.axis)
+        if op is Op.SCATTER:
+            return Term.scatter(args[0], args[1], args[2], n.axis)
+        if op is Op.CAST:
+            return Term.cast(args[0], n.dtype.value)
+        raise ValueError(f"cannot encode {op}")
+
+    def register_composition(self, eg: EGraph, inner: str, outer: str) -> bool:
+        if (inner, outer) in self.composed:
+            return False
+        self.composed.add((inner, outer))
+        c = compose(self.specs[inner], self.specs[outer])
+        if c is None:
+            return False
+        eg.register(set_(compose_views(inner, outer)).to(String(self.spec_key(c))))
+        return True
+
+
+def saturate(g: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport]:
+    t0 = time.monotonic()
+    report = SearchReport()
+    enc = _Encoder(g)
+    eg = EGraph()
+    refs = []
+    with span("optimizer.encode", **{"kiln.nodes": len(g.nodes)}):
+        for i, n in enumerate(g.nodes):
+            refs.append(eg.let(f"n{i}", enc.term(n, [refs[j] for j in n.inputs])))
+            if n.op is Op.VIEW and g.nodes[n.inputs[0]].op is Op.VIEW:
+                enc.register_composition(eg, g.nodes[n.inputs[0]].view.key(), n.view.key())
+        for k, o in enumerate(g.outputs):
+            eg.register(Term.output(k, refs[o]))
+    rules = algebra | views
+    stop = "iteration limit"
+    serialized = None
+    for it in range(1, limits.max_iterations + 1):
+        now = time.monotonic()
+        if limits.deadline is not None and now >= limits.deadline:
+            stop = "deadline"
+            break
+        if now - t0 >= limits.time_budget_s:
+            stop = "time budget"
+            break
+        with span("optimizer.iteration", **{"kiln.iteration": it}) as s:
+            r = eg.run(1, ruleset=rules)
+            fired = 0
+            from egglog.pretty import pretty_decl
+
+            for decl, count in r.num_matches_per_rule.items():
+                if count:
+                    name = pretty_decl(r._decls, decl)
+                    report.rules[name] = report.rules.get(name, 0) + count
+                    fired += count
+            serialized = _serialize(eg)
+            new_pairs = _register_new_compositions(eg, enc, serialized)
+            enodes = sum(size for _, size in eg.all_function_sizes())
+            eclasses = len({n["eclass"] for n in serialized["nodes"].values()})
+            report.iterations.append(IterationStat(it, enodes, eclasses, fired))
+            s.set_attribute("kiln.enodes", enodes)
+            s.set_attribute("kiln.eclasses", eclasses)
+            s.set_attribute("kiln.rules_fired", fired)
+        if not r.updated and not new_pairs:
+            stop = "saturated"
+            break
+        if enodes >= limits.max_enodes:
+            stop = "e-node limit"
+            break
+    report.stop_reason = stop
+    with span("optimizer.extract"):
+        if serialized is None or report.stop_reason != "saturated":
+            serialized = _serialize(eg)
+        out = _extract(g, enc, serialized)
+    report.seconds = time.monotonic() - t0
+    return out, report
+
+
+def _serialize(eg: EGraph) -> dict:
+    return json.loads(eg._serialize(split_primitive_outputs=False).to_json())
+
+
+def _literal(node: dict):
+    op = node["op"]
+    if op.startswith('"'):
+        return json.loads(op)
+    try:
+        return int(op)
+    except ValueError:
+        return float(op.replace("NaN", "nan"))
+
+
+def _register_new_compositions(eg: EGraph, enc: _Encoder, ser: dict) -> bool:
+    nodes = ser["nodes"]
+    by_class: dict[str, list[dict]] = {}
+    for n in nodes.values():
+        by_class.setdefault(n["eclass"], []).append(n)
+    added = False
+    for n in nodes.values():
+        if n["op"] != "Term.view":
+            continue
+        inner_cls = nodes[n["children"][0]]["eclass"]
+        outer_key = _literal(nodes[n["children"][1]])
+        for m in by_class.get(inner_cls, []):
+            if m["op"] == "Term.view":
+                inner_key = _literal(nodes[m["children"][1]])
+                if inner_key in enc.specs and outer_key in enc.specs:
+                    added |= enc.register_composition(eg, inner_key, outer_key)
+    return added
+
+
+def _cost(op: str) -> float:
+    if op in ("Term.input", "Term.weight", "Term.const"):
+        return 0.0
+    if op == "Term.view":
+        return 0.01
+    return 1.0
+
+
+def _extract(g: Graph, enc: _Encoder, ser: dict) -> Graph:
+    nodes = ser["nodes"]
+    classes: dict[str, list[str]] = {}
+    for nid, n in nodes.items():
+        if n["op"] in _BY_NAME and n["op"] != "Term.output":
+            classes.setdefault(n["eclass"], []).append(nid)
+    best: dict[str, tuple[float, str]] = {}
+    changed = True
+    while changed:
+        changed = False
+        for cls, members in classes.items():
+            for nid in members:
+                n = nodes[nid]
+                total = _cost(n["op"])
+                ok = True
+                for ch in n["children"]:
+                    ccls = nodes[ch]["eclass"]
+                    if ccls in classes:
+                        if ccls not in best:
+                            ok = False
+                            break
+                        total += best[ccls][0]
+                if ok and (cls not in best or total < best[cls][0] - 1e-12):
+                    best[cls] = (total, nid)
+                    changed = True
+    # Term.output(k, x) nodes mark the e-class of output k
+    out_class = {_literal(nodes[n["children"][0]]): nodes[n["children"][1]]["eclass"]
+                 for n in nodes.values() if n["op"] == "Term.output"}
+    b = GraphBuilder()
+    for t in g.inputs:
+        b.input(t.name, t.shape, t.dtype)
+    for t in g.weights:
+        b.weight(t.name, t.shape, t.dtype)
+    shapes = {t.name: t for t in list(g.inputs) + list(g.weights)}
+    built: dict[str, int] = {}
+
+    def build(cls: str) -> int:
+        if cls in built:
+            return built[cls]
+        stack = [(cls, False)]
+        while stack:
+            c, ready = stack.pop()
+            if c in built:
+                continue
+            nid = best[c][1]
+            n = nodes[nid]
+            kids = [nodes[ch]["eclass"] for ch in n["children"] if nodes[ch]["eclass"] in classes]
+            if not ready:
+                stack.append((c, True))
+                stack.extend((k, False) for k in kids if k not in built)
+                continue
+            built[c] = _rebuild(b, enc, shapes, n, nodes, [built[k] for k in kids])
+        return built[cls]
+
+    outputs = []
+    for k, o in enumerate(g.outputs):
+        cls = out_class.get(k)
+        if cls is None:
+            raise RuntimeError(f"output %{o} lost its e-class during saturation")
+        outputs.append(build(cls))
+    return b.build(outputs, g.output_names, g.output_tree)
+
+
+def _rebuild(b: GraphBuilder, enc: _Encoder, shapes, n: dict, nodes: dict, kids: list[int]) -> int:
+    name = _BY_NAME[n["op"]]
+    lits = [_literal(nodes[ch]) for ch in n["children"] if nodes[ch]["op"] not in _BY_NAME]
+    if name in ("input", "weight"):
+        t = shapes[lits[0]]
+        return (b.input if name == "input" else b.weight)(t.name, t.shape, t.dtype)
+    if name == "const":
+        return b.const(float(lits[0]), DType(lits[1]))
+    if name == "view":
+        return b.view(kids[0], enc.specs[lits[0]])
+    if name in ("exp2", "log2", "sin", "sqrt", "recip"):
+        return b.unary(Op(name.capitalize() if name != "recip" else "Recip"), kids[0])
+    if name in ("add", "mul", "mod", "less_than"):
+        op = {"add": Op.ADD, "mul": Op.MUL, "mod": Op.MOD, "less_than": Op.LESS_THAN}[name]
+        return b.binary(op, kids[0], kids[1])
+    if name == "where":
+        return b.where(*kids)
+    if name in ("sum_reduce", "max_reduce"):
+        return b.reduce(Op.SUM_REDUCE if name == "sum_reduce" else Op.MAX_REDUCE, kids[0], int(lits[0]))
+    if name == "iota":
+        return b.iota(enc.shapes[lits[0]], int(lits[1]), DType(lits[2]))
+    if name == "gather":
+        return b.gather(kids[0], kids[1], int(lits[0]))
+    if name == "scatter":
+        return b.scatter(kids[0], kids[1], kids[2], int(lits[0]))
+    if name == "cast":
+        return b.cast(kids[0], DType(lits[0]))
+    raise ValueError(name)
