@@ -17,7 +17,8 @@ from kiln.ir.graph import Graph, TensorSpec
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import Dim, contiguous_strides, numel, render_dim
 from kiln.ir.view import ViewSpec
-from optimizer_svc.partition import Kernel, KernelGraph, compose_chain, gemm_axes, view_root
+from kiln.telemetry import span
+from kiln.ir.kernel import Kernel, KernelGraph, compose_chain, gemm_axes, view_root
 from codegen_svc.memory import MemoryPlan, plan_memory
 
 _NP = {DType.F32: "np.float32", DType.I32: "np.int32", DType.I64: "np.int64", DType.BOOL: "np.bool_"}
@@ -243,19 +244,20 @@ class _KernelWriter:
         prod = lambda axes: numel(tuple(F[j] for j in axes))
         Bt, Mt, Nt, K = prod(b_axes), prod(m_axes), prod(n_axes), F[k]
         lines = []
-        lines += self._operand("A", self.reads[ra], sa, b_axes, m_axes, k, F, Bt, Mt, K, r.dtype)
-        lines += self._operand("B", self.reads[rb], sb, b_axes, n_axes, k, F, Bt, Nt, K, r.dtype)
+        la, a_at = self._operand("A", self.reads[ra], sa, b_axes, m_axes, k, F, Bt, Mt, K, r.dtype)
+        lb, b_at = self._operand("B", self.reads[rb], sb, b_axes, n_axes, k, F, Bt, Nt, K, r.dtype)
+        lines += la + lb
         out_strides = contiguous_strides(r.shape)
         want = contiguous_strides(tuple(F[j] for j in b_axes + m_axes + n_axes))
         have = tuple(out_strides[j] for j in b_axes + m_axes + n_axes)
         if have == want:
             lines.append(f"    C3 = out[0:{_d(numel(r.shape))}].reshape(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}))")
             lines.append(f"    for bi in range({_d(Bt)}):")
-            lines.append("        np.dot(A[bi], B[bi], C3[bi])")
+            lines.append(f"        np.dot({a_at}, {b_at}, C3[bi])")
             return lines
         lines.append(f"    C = np.empty(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}), dtype={_NP[r.dtype]})")
         lines.append(f"    for bi in range({_d(Bt)}):")
-        lines.append("        np.dot(A[bi], B[bi], C[bi])")
+        lines.append(f"        np.dot({a_at}, {b_at}, C[bi])")
         loops, idx, depth = self.loops(tuple(F[j] if j != k else 1 for j in range(len(F))))
         lines += loops
         bi = self._linear(idx, b_axes, F)
@@ -272,8 +274,9 @@ class _KernelWriter:
         return _sum([_scaled(idx[j], s) for j, s in zip(axes, st)])
 
     def _operand(self, name, buf, spec: ViewSpec, b_axes, x_axes, k, F, Bt, Xt, K, dtype):
-        """`name` as a [Bt, X, K]-shaped view (A) or [Bt, K, X] (B) of the operand, packing
-        into a contiguous array only when the operand's strides do not allow a view."""
+        """Lines binding the operand as a 3-d array, and the 2-d matrix expression for batch
+        `bi` (A: [X, K], B: [K, X]); a transposed operand is a C array's `.T` (F-contiguous,
+        which BLAS takes directly). Packs a copy only when the strides allow no view."""
         st = spec.strides
         sizes_bxk = tuple(F[j] for j in b_axes + x_axes) + (K,)
         sizes_bkx = tuple(F[j] for j in b_axes) + (K,) + tuple(F[j] for j in x_axes)
@@ -284,16 +287,13 @@ class _KernelWriter:
         span_ = f"{buf}[{off}:{off} + {_d(total)}]"
         bxk = strides_bxk == contiguous_strides(sizes_bxk)
         bkx = strides_bkx == contiguous_strides(sizes_bkx)
-        if name == "A":
-            if bxk:
-                return [f"    A = {span_}.reshape(({_d(Bt)}, {_d(Xt)}, {_d(K)}))"]
-            if bkx:
-                return [f"    A = {span_}.reshape(({_d(Bt)}, {_d(K)}, {_d(Xt)})).transpose((0, 2, 1))"]
-        else:
-            if bkx:
-                return [f"    B = {span_}.reshape(({_d(Bt)}, {_d(K)}, {_d(Xt)}))"]
-            if bxk:
-                return [f"    B = {span_}.reshape(({_d(Bt)}, {_d(Xt)}, {_d(K)})).transpose((0, 2, 1))"]
+        native, transposed = (bxk, bkx) if name == "A" else (bkx, bxk)
+        if native:
+            dims = (Xt, K) if name == "A" else (K, Xt)
+            return [f"    {name} = {span_}.reshape(({_d(Bt)}, {_d(dims[0])}, {_d(dims[1])}))"], f"{name}[bi]"
+        if transposed:
+            dims = (K, Xt) if name == "A" else (Xt, K)
+            return [f"    {name} = {span_}.reshape(({_d(Bt)}, {_d(dims[0])}, {_d(dims[1])}))"], f"{name}[bi].T"
         # pack: loop over the operand's own axes and copy into a contiguous array
         shape3 = (Bt, Xt, K) if name == "A" else (Bt, K, Xt)
         lines = [f"    {name} = np.empty(({', '.join(_d(x) for x in shape3)}), dtype={_NP[dtype]})"]
@@ -308,7 +308,7 @@ class _KernelWriter:
         xi = self._linear(pidx, x_axes, F)
         dst = f"{bi}, {xi}, p{k}" if name == "A" else f"{bi}, p{k}, {xi}"
         lines.append("    " * depth + f"{name}[{dst}] = {buf}[{src}]")
-        return lines
+        return lines, f"{name}[bi]"
 
     def emit_gather(self):
         n = self.g.nodes[self.k.output]
@@ -359,7 +359,8 @@ def emit_cpu(kg: KernelGraph) -> CpuProgram:
     consts: dict = {}
     kernels = []
     for k in kg.kernels:
-        kernels.append(EmittedKernel(k.name, k.kind, _KernelWriter(kg, k, consts).emit()))
+        with span("codegen.kernel", **{"kiln.kernel": k.name, "kiln.kind": k.kind}):
+            kernels.append(EmittedKernel(k.name, k.kind, _KernelWriter(kg, k, consts).emit()))
     plan = plan_memory(kg)
     entry = _emit_entry(kg, plan)
     const_lines = "\n".join(line for _, line in consts.values())

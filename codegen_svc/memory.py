@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kiln.ir.dtypes import DType
 from kiln.ir.ops import Op
 from kiln.ir.shape import Dim, evaluate_dim, numel
-from optimizer_svc.partition import KernelGraph
+from kiln.ir.kernel import KernelGraph
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,8 @@ def grpc_server_interceptors() -> list:
     return [server_interceptor()]
 
 
-def grpc_client_interceptors() -> list:
-    from opentelemetry.instrumentation.grpc import client_interceptor
+def instrument_channel(channel):
+    """A channel that opens a client span per call and sends W3C trace context in metadata."""
+    from opentelemetry.instrumentation.grpc import client_interceptor, grpcext
 
-    return [client_interceptor()]
+    return grpcext.intercept_channel(channel, client_interceptor())

@@ -8,79 +8,13 @@ Mul whose operands are views of buffers along disjoint broadcast axes is a GEMM 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kiln.ir.graph import Graph
+from kiln.ir.kernel import Kernel, KernelGraph, broadcasts, gemm_axes, view_root
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import numel
-from kiln.ir.view import ViewSpec, compose
+from kiln.ir.view import ViewSpec
 
 PARALLEL_MIN_ELEMENTS = 1 << 15  # below this a parallel loop costs more than it saves
-
-
-@dataclass(frozen=True)
-class Kernel:
-    name: str
-    kind: str                 # elementwise | reduce | gemm | gather | scatter
-    nodes: tuple[int, ...]    # nodes computed inside, in topological order (the last is `output`)
-    output: int
-    reads: tuple[int, ...]    # materialized nodes read
-    parallel: bool
-
-
-@dataclass(frozen=True)
-class KernelGraph:
-    graph: Graph
-    kernels: tuple[Kernel, ...]
-
-
-def view_root(g: Graph, i: int) -> tuple[int, list[ViewSpec]]:
-    """The non-view node under a chain of views, and the chain (innermost first)."""
-    chain = []
-    while g.nodes[i].op is Op.VIEW:
-        chain.append(g.nodes[i].view)
-        i = g.nodes[i].inputs[0]
-    return i, list(reversed(chain))
-
-
-def compose_chain(chain: list[ViewSpec]):
-    spec = chain[0] if chain else None
-    for v in chain[1:]:
-        spec = compose(spec, v)
-        if spec is None:
-            return None
-    return spec
-
-
-def _broadcasts(v: ViewSpec) -> bool:
-    return any(st == 0 and d != 1 for d, st in zip(v.shape, v.strides))
-
-
-def gemm_axes(g: Graph, reduce_id: int):
-    """(a_root, a_spec, b_root, b_spec) when reduce_id is a GEMM, else None."""
-    r = g.nodes[reduce_id]
-    if r.op is not Op.SUM_REDUCE or not r.dtype.is_float:
-        return None
-    m = g.nodes[r.inputs[0]]
-    if m.op is not Op.MUL:
-        return None
-    operands = []
-    for x in m.inputs:
-        root, chain = view_root(g, x)
-        spec = compose_chain(chain) if chain else ViewSpec.contiguous(g.nodes[root].shape)
-        if spec is None or spec.mask is not None or g.nodes[root].op is Op.CONSTANT:
-            return None
-        operands.append((root, spec))
-    (ra, sa), (rb, sb) = operands
-    k = r.axis
-    if sa.strides[k] == 0 or sb.strides[k] == 0:
-        return None
-    m_axes = [j for j, d in enumerate(m.shape) if j != k and d != 1 and sa.strides[j] != 0 and sb.strides[j] == 0]
-    n_axes = [j for j, d in enumerate(m.shape) if j != k and d != 1 and sa.strides[j] == 0 and sb.strides[j] != 0]
-    both0 = [j for j, d in enumerate(m.shape) if j != k and d != 1 and sa.strides[j] == 0 and sb.strides[j] == 0]
-    if both0 or not (m_axes or n_axes):
-        return None
-    return ra, sa, rb, sb
 
 
 def partition(g: Graph, fuse: bool = True) -> KernelGraph:
@@ -135,7 +69,7 @@ def _readers(g: Graph, users, i: int) -> list[tuple[int, bool]]:
     while stack:
         u, bcast = stack.pop()
         if g.nodes[u].op is Op.VIEW:
-            b2 = bcast or _broadcasts(g.nodes[u].view)
+            b2 = bcast or broadcasts(g.nodes[u].view)
             if not users[u]:  # a view that is itself an output reads i as a buffer
                 out.append((u, True))
             stack.extend((w, b2) for w in users[u])

@@ -1,0 +1,31 @@
+# `make run` and `make test` set everything up on a fresh machine: venv, pinned deps, protobuf code.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PROTOS := $(wildcard protos/kiln/v1/*.proto)
+
+.PHONY: run test setup proto clean
+
+setup: $(VENV)/.installed kiln/v1/.generated
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+kiln/v1/.generated: $(PROTOS) $(VENV)/.installed
+	rm -rf kiln/v1
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. $(PROTOS)
+	touch $@
+
+proto: kiln/v1/.generated
+
+run: setup
+	$(PY) -m kiln.cli demo
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf kiln/v1 .pytest_cache

@@ -1,0 +1,57 @@
+"""Codegen stage: KernelGraph digest -> Bundle digest for one target."""
+
+from __future__ import annotations
+
+from kiln import cache
+from kiln.digest import Digest
+from kiln.errors import FailedPrecondition, InvalidArgument
+from kiln.ir.kernel import kernel_graph_from_pb
+from kiln.ir.serialize import dim_to_pb, dtype_to_pb, tensor_spec_to_pb
+from kiln.store import BlobStore
+from kiln.telemetry import span
+from kiln.v1 import ir_pb2
+from codegen_svc.emit_cpu import emit_cpu
+
+STAGE_VERSION = "codegen-1"
+TARGETS = ("cpu",)
+
+
+def emit(store: BlobStore, kg_d: Digest, target: str = "cpu") -> tuple[Digest, int, int]:
+    """Returns (bundle digest, kernel count, peak bytes)."""
+    target = target or "cpu"
+    if target not in TARGETS:
+        raise FailedPrecondition(f"unknown target {target!r}; this codegen emits for {', '.join(TARGETS)}")
+    key = cache.action_key("emit", STAGE_VERSION, {"kernel_graph": kg_d}, {"target": target})
+    hit = cache.lookup(store, key)
+    if hit is not None:
+        b = store.get_message(hit["bundle"], ir_pb2.Bundle)
+        return hit["bundle"], len(b.kernels), b.memory.peak_bytes
+    try:
+        kg = kernel_graph_from_pb(store.get_message(kg_d, ir_pb2.KernelGraph))
+    except ValueError as e:
+        raise InvalidArgument(f"kernel graph {kg_d} is malformed: {e}") from e
+    with span("codegen.emit", **{"kiln.kernel_graph": str(kg_d), "kiln.target": target}) as s:
+        prog = emit_cpu(kg)
+        s.set_attribute("kiln.kernels", len(prog.kernels))
+    g = kg.graph
+    bundle = ir_pb2.Bundle(target=target, module_source=prog.module_source, entry=prog.entry,
+                           kernel_graph=kg_d.to_pb(), output_tree=g.output_tree,
+                           output_names=list(g.output_names))
+    for k in prog.kernels:
+        bundle.kernels.add(name=k.name, kind=k.kind, source=k.source)
+    for t in g.inputs:
+        tensor_spec_to_pb(t, bundle.inputs.add())
+    for t in prog.outputs:
+        tensor_spec_to_pb(t, bundle.outputs.add())
+    for t in g.weights:
+        tensor_spec_to_pb(t, bundle.weights.add())
+    bundle.weight_names.extend(t.name for t in g.weights)
+    for slot in prog.memory.slots:
+        p = bundle.memory.slots.add(slot=slot.slot, dtype=dtype_to_pb(slot.dtype))
+        dim_to_pb(slot.elements, p.elements)
+    for node, slot in prog.memory.node_slot.items():
+        bundle.memory.node_slot[node] = slot
+    bundle.memory.peak_bytes = prog.memory.peak_bytes
+    d = store.put_message(bundle)
+    cache.record(store, key, {"bundle": d})
+    return d, len(prog.kernels), prog.memory.peak_bytes

@@ -1,0 +1,153 @@
+"""Executor stage: load a Bundle and its weights into a session, run it.
+
+The bundle's generated module is written to the kernel cache (keyed by bundle digest) and
+imported from there, so numba caches its machine code on disk and a warm start compiles
+nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from kiln.digest import Digest
+from kiln.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kiln.ir.dtypes import DType
+from kiln.ir.graph import TensorSpec
+from kiln.ir.serialize import dtype_from_pb, tensor_spec_from_pb
+from kiln.ir.shape import format_shape
+from kiln.store import BlobStore
+from kiln.telemetry import span
+from kiln.v1 import ir_pb2
+
+MAX_SESSIONS = 64
+
+
+def kernel_cache_dir() -> Path:
+    return Path(os.environ.get("KILN_KERNEL_CACHE", "~/.cache/kiln/kernels")).expanduser()
+
+
+_import_lock = threading.Lock()
+
+
+def load_module(bundle_d: Digest, source: str):
+    """Import a bundle's module from the kernel cache, writing it there first if absent."""
+    name = f"kiln_bundle_{bundle_d.hash[:24]}"
+    with _import_lock:
+        if name in sys.modules:
+            return sys.modules[name]
+        d = kernel_cache_dir() / bundle_d.hash[:24]
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / f"{name}.py"
+        if not path.exists() or path.read_text() != source:
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".py")
+            with os.fdopen(fd, "w") as f:
+                f.write(source)
+            os.replace(tmp, path)
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # numba's disk cache finds the module by name
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return mod
+
+
+@dataclass
+class Session:
+    id: str
+    bundle: Digest
+    entry: object
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    weights: tuple[np.ndarray, ...]
+    lock: threading.Lock
+
+
+class Executor:
+    def __init__(self, store: BlobStore):
+        self.store = store
+        self.sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def load(self, bundle_d: Digest, manifest_d: Digest) -> str:
+        with span("executor.load", **{"kiln.bundle": str(bundle_d), "kiln.manifest": str(manifest_d)}):
+            bundle = self.store.get_message(bundle_d, ir_pb2.Bundle)
+            if bundle.target != "cpu":
+                raise FailedPrecondition(f"bundle {bundle_d} targets {bundle.target!r}; this executor runs cpu")
+            manifest = self.store.get_message(manifest_d, ir_pb2.WeightManifest)
+            entries = {w.name: w for w in manifest.weights}
+            weights = []
+            for t in bundle.weights:
+                spec = tensor_spec_from_pb(t)
+                e = entries.get(spec.name)
+                if e is None:
+                    raise InvalidArgument(f"manifest {manifest_d} has no weight {spec.name!r} that the bundle binds")
+                if tuple(e.shape) != tuple(spec.shape) or dtype_from_pb(e.dtype) is not spec.dtype:
+                    raise InvalidArgument(f"weight {spec.name!r}: manifest has {list(e.shape)}, bundle expects "
+                                          f"{spec.dtype.value}{format_shape(spec.shape)}")
+                data = self.store.get(Digest.from_pb(e.digest))
+                weights.append(np.frombuffer(data, dtype=spec.dtype.numpy).copy())
+            mod = load_module(bundle_d, bundle.module_source)
+            sid = uuid.uuid4().hex
+            with self._lock:
+                if len(self.sessions) >= MAX_SESSIONS:
+                    raise ResourceExhausted(f"executor holds {MAX_SESSIONS} sessions; close one first")
+                self.sessions[sid] = Session(sid, bundle_d, getattr(mod, bundle.entry),
+                                             tuple(tensor_spec_from_pb(t) for t in bundle.inputs),
+                                             tuple(tensor_spec_from_pb(t) for t in bundle.outputs),
+                                             tuple(weights), threading.Lock())
+            return sid
+
+    def session(self, sid: str) -> Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise NotFound(f"no session {sid!r} on this executor (it may have restarted); Load the bundle again")
+        return s
+
+    def run(self, sid: str, inputs: Sequence[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:
+        s = self.session(sid)
+        args = check_inputs(s.inputs, inputs)
+        with span("executor.run", **{"kiln.session": sid, "kiln.bundle": str(s.bundle)}):
+            with s.lock:  # buffers in the entry are per call, but numba's first call compiles
+                outs = s.entry(*args, *s.weights)
+        return [(spec.name, np.asarray(o).reshape(tuple(int(d) for d in spec.shape)))
+                for spec, o in zip(s.outputs, outs)]
+
+
+def check_inputs(specs: Sequence[TensorSpec], inputs: Sequence[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+    """Match inputs to the signature (by name, or by position when unnamed); flat contiguous arrays."""
+    if len(inputs) != len(specs):
+        raise InvalidArgument(f"expected {len(specs)} inputs ({', '.join(s.name for s in specs)}), got {len(inputs)}")
+    named = all(n for n, _ in inputs)
+    by_name = dict(inputs) if named else {}
+    out = []
+    for i, spec in enumerate(specs):
+        if named:
+            if spec.name not in by_name:
+                raise InvalidArgument(f"missing input {spec.name!r}; inputs are {', '.join(s.name for s in specs)}")
+            a = by_name[spec.name]
+        else:
+            a = inputs[i][1]
+        try:
+            dt = DType.from_numpy(a.dtype)
+        except ValueError:
+            dt = None
+        if dt is not spec.dtype:
+            raise InvalidArgument(f"input {spec.name!r}: expected dtype {spec.dtype.value}, got {a.dtype}")
+        if tuple(a.shape) != tuple(spec.shape):
+            raise InvalidArgument(f"input {spec.name!r}: expected shape {format_shape(spec.shape)}, "
+                                  f"got {list(a.shape)}")
+        out.append(np.ascontiguousarray(a).reshape(-1))
+    return out

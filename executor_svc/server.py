@@ -1,0 +1,32 @@
+"""Executor gRPC servicer: decode, call the Executor, encode."""
+
+from kiln.digest import Digest
+from kiln.service import rpc
+from kiln.telemetry import span
+from kiln.tensors import array_from_pb, array_to_pb
+from kiln.v1 import services_pb2, services_pb2_grpc
+from executor_svc.executor import Executor
+
+
+class ExecutorServicer(services_pb2_grpc.ExecutorServicer):
+    SERVICE_NAME = "kiln.v1.Executor"
+
+    def __init__(self, store):
+        self.store = store
+        self.executor = Executor(store)
+
+    def add_to_server(self, server):
+        services_pb2_grpc.add_ExecutorServicer_to_server(self, server)
+
+    @rpc
+    def Load(self, request, context):
+        with span("executor.Load"):
+            sid = self.executor.load(Digest.from_pb(request.bundle), Digest.from_pb(request.manifest))
+        return services_pb2.LoadResponse(session=sid)
+
+    @rpc
+    def Run(self, request, context):
+        with span("executor.Run"):
+            inputs = [(t.name, array_from_pb(t, self.store)) for t in request.inputs]
+            outs = self.executor.run(request.session, inputs)
+        return services_pb2.RunResponse(outputs=[array_to_pb(n, a, self.store) for n, a in outs])

@@ -1,0 +1,148 @@
+"""The kiln command line: compile, run, serve, show, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+
+def _pipeline(args):
+    from kiln.pipeline import Pipeline
+
+    addrs = {}
+    for s in ("importer", "optimizer", "codegen", "executor"):
+        v = getattr(args, f"{s}_addr", None)
+        if v:
+            addrs[s] = v
+    return Pipeline(args.store, addrs or None)
+
+
+def cmd_compile(args) -> int:
+    from kiln.digest import Digest
+
+    p = _pipeline(args)
+    path = Path(args.model)
+    if not path.is_file():
+        print(f"kiln compile: {args.model}: not a file (expected a .pt2 written by torch.export.save)",
+              file=sys.stderr)
+        return 2
+    program = p.store.put(path.read_bytes())
+    r = p.compile_program(program, search=not args.no_search, target=args.target)
+    out = {"program": str(program), "graph": str(r.graph), "manifest": str(r.manifest),
+           "kernel_graph": str(r.kernel_graph), "bundle": str(r.bundle), "kernels": r.kernels,
+           "peak_bytes": r.peak_bytes, "search": r.report.stop_reason, "nodes_before": r.report.nodes_before,
+           "nodes_after": r.report.nodes_after}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from kiln.digest import Digest
+
+    p = _pipeline(args)
+    inputs = []
+    for spec in args.input:
+        name, _, file = spec.partition("=")
+        if not file:
+            print(f"kiln run: --input takes NAME=FILE.npy, got {spec!r}", file=sys.stderr)
+            return 2
+        inputs.append((name, np.load(file, allow_pickle=False)))
+    session = p.load(Digest.parse(args.bundle), Digest.parse(args.manifest))
+    outs = p.run(session, inputs)
+    for name, a in outs:
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            np.save(Path(args.out) / f"{name}.npy", a)
+            print(f"{name}: {a.dtype}{list(a.shape)} -> {Path(args.out) / (name + '.npy')}")
+        else:
+            print(f"{name}: {a.dtype}{list(a.shape)}")
+            print(np.array2string(a, threshold=50))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from kiln.service import serve
+    from kiln.store import open_store
+    from kiln.telemetry import setup_tracing
+
+    stages = ["importer", "optimizer", "codegen", "executor"] if args.stage == "all" else [args.stage]
+    setup_tracing(f"kiln-{args.stage}")
+    server, port = serve(stages, args.port, open_store(args.store), host=args.host)
+    print(f"kiln {args.stage} serving on {args.host}:{port}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2).wait()
+    return 0
+
+
+def cmd_show(args) -> int:
+    from kiln.digest import Digest
+    from kiln.show import show
+    from kiln.store import open_store
+
+    print(show(open_store(args.store), Digest.parse(args.digest)))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from kiln.demo import main
+
+    return main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kiln", description="kiln: an ahead-of-time search compiler for inference")
+    ap.add_argument("--store", default=None, help="blob store URL (default $KILN_STORE or file://~/.cache/kiln)")
+    for s in ("importer", "optimizer", "codegen", "executor"):
+        ap.add_argument(f"--{s}-addr", default=None, help=f"{s} service address(es) (default $KILN_{s.upper()}_ADDR)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compile", help="compile a .pt2 program; prints the artifact digests")
+    c.add_argument("model")
+    c.add_argument("--no-search", action="store_true", help="skip equality saturation (one kernel per op)")
+    c.add_argument("--target", default="cpu")
+    c.set_defaults(fn=cmd_compile)
+    r = sub.add_parser("run", help="run a compiled bundle on .npy inputs")
+    r.add_argument("bundle")
+    r.add_argument("--manifest", required=True)
+    r.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
+    r.add_argument("--out", default=None, help="directory to write outputs as .npy")
+    r.set_defaults(fn=cmd_run)
+    s = sub.add_parser("serve", help="serve one stage, or all four on one port")
+    s.add_argument("stage", choices=["importer", "optimizer", "codegen", "executor", "all"])
+    s.add_argument("--port", type=int, default=int(os.environ.get("KILN_PORT", "50051")))
+    s.add_argument("--host", default="127.0.0.1")
+    s.set_defaults(fn=cmd_serve)
+    sh = sub.add_parser("show", help="print a graph, kernel graph, bundle or manifest by digest")
+    sh.add_argument("digest")
+    sh.set_defaults(fn=cmd_show)
+    d = sub.add_parser("demo", help="compile the example encoder and compare it with torch eager")
+    d.add_argument("--repeats", type=int, default=50)
+    d.set_defaults(fn=cmd_demo)
+    return ap
+
+
+def main(argv=None) -> int:
+    from kiln.errors import KilnError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KilnError as e:
+        print(f"kiln {args.cmd}: {e.code}: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"kiln {args.cmd}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

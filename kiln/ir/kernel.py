@@ -1,0 +1,105 @@
+"""KernelGraph: a Graph partitioned into kernels, the contract between optimizer and codegen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.ir.graph import Graph
+from kiln.ir.ops import Op
+from kiln.ir.view import ViewSpec, compose
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    kind: str                 # elementwise | reduce | gemm | gather | scatter
+    nodes: tuple[int, ...]    # nodes computed inside, in topological order (the last is `output`)
+    output: int
+    reads: tuple[int, ...]    # materialized nodes read
+    parallel: bool
+
+
+@dataclass(frozen=True)
+class KernelGraph:
+    graph: Graph
+    kernels: tuple[Kernel, ...]
+
+
+def view_root(g: Graph, i: int) -> tuple[int, list[ViewSpec]]:
+    """The non-view node under a chain of views, and the chain (innermost first)."""
+    chain = []
+    while g.nodes[i].op is Op.VIEW:
+        chain.append(g.nodes[i].view)
+        i = g.nodes[i].inputs[0]
+    return i, list(reversed(chain))
+
+
+def compose_chain(chain: list[ViewSpec]):
+    spec = chain[0] if chain else None
+    for v in chain[1:]:
+        spec = compose(spec, v)
+        if spec is None:
+            return None
+    return spec
+
+
+def broadcasts(v: ViewSpec) -> bool:
+    return any(st == 0 and d != 1 for d, st in zip(v.shape, v.strides))
+
+
+def gemm_axes(g: Graph, reduce_id: int):
+    """(a_root, a_spec, b_root, b_spec) when reduce_id is a GEMM, else None."""
+    r = g.nodes[reduce_id]
+    if r.op is not Op.SUM_REDUCE or not r.dtype.is_float:
+        return None
+    m = g.nodes[r.inputs[0]]
+    if m.op is not Op.MUL:
+        return None
+    operands = []
+    for x in m.inputs:
+        root, chain = view_root(g, x)
+        spec = compose_chain(chain) if chain else ViewSpec.contiguous(g.nodes[root].shape)
+        if spec is None or spec.mask is not None or g.nodes[root].op is Op.CONSTANT:
+            return None
+        operands.append((root, spec))
+    (ra, sa), (rb, sb) = operands
+    k = r.axis
+    if sa.strides[k] == 0 or sb.strides[k] == 0:
+        return None
+    m_axes = [j for j, d in enumerate(m.shape) if j != k and d != 1 and sa.strides[j] != 0 and sb.strides[j] == 0]
+    n_axes = [j for j, d in enumerate(m.shape) if j != k and d != 1 and sa.strides[j] == 0 and sb.strides[j] != 0]
+    both0 = [j for j, d in enumerate(m.shape) if j != k and d != 1 and sa.strides[j] == 0 and sb.strides[j] == 0]
+    if both0 or not (m_axes or n_axes):
+        return None
+    return ra, sa, rb, sb
+
+
+
+
+def kernel_graph_to_pb(kg: KernelGraph, source_graph=None):
+    from kiln.ir.serialize import graph_to_pb
+    from kiln.v1 import ir_pb2
+
+    p = ir_pb2.KernelGraph(graph=graph_to_pb(kg.graph))
+    for k in kg.kernels:
+        p.kernels.add(name=k.name, kind=k.kind, nodes=list(k.nodes), output=k.output, reads=list(k.reads),
+                      parallel=k.parallel)
+    if source_graph is not None:
+        p.source_graph.CopyFrom(source_graph.to_pb())
+    return p
+
+
+def kernel_graph_from_pb(p) -> KernelGraph:
+    from kiln.ir.serialize import graph_from_pb
+
+    g = graph_from_pb(p.graph)
+    kernels = []
+    for k in p.kernels:
+        ids = list(k.nodes) + list(k.reads) + [k.output]
+        if any(not 0 <= i < len(g.nodes) for i in ids) or k.kind not in KERNEL_KINDS:
+            raise ValueError(f"kernel {k.name!r} is malformed (unknown kind or node out of range)")
+        kernels.append(Kernel(k.name, k.kind, tuple(k.nodes), k.output, tuple(k.reads), k.parallel))
+    return KernelGraph(g, tuple(kernels))
+
+
+KERNEL_KINDS = ("elementwise", "reduce", "gemm", "gather", "scatter")

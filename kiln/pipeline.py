@@ -1,0 +1,220 @@
+"""kiln.Pipeline drives the four stages, in process (default) or over gRPC.
+
+Remote mode is chosen per stage by KILN_<STAGE>_ADDR (comma-separated for several replicas,
+balanced round-robin) or by the addresses passed in. Both modes raise the same KilnError
+types, so callers and tests do not care which one runs.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from kiln import errors
+from kiln.digest import Digest
+from kiln.store import BlobStore, open_store
+from kiln.telemetry import setup_tracing, span
+from kiln.v1 import services_pb2
+
+STAGES = ("importer", "optimizer", "codegen", "executor")
+
+
+@dataclass
+class CompileResult:
+    graph: Digest
+    manifest: Digest
+    kernel_graph: Digest
+    bundle: Digest
+    report: services_pb2.OptimizeReport
+    kernels: int
+    peak_bytes: int
+
+
+def _channel(addresses: str):
+    import grpc
+
+    from kiln.service import MAX_MESSAGE_BYTES
+    from kiln.telemetry import instrument_channel
+
+    addrs = [a.strip() for a in addresses.split(",") if a.strip()]
+    target = addrs[0] if len(addrs) == 1 else "ipv4:" + ",".join(addrs)
+    ch = grpc.insecure_channel(target, options=[("grpc.lb_policy_name", "round_robin"),
+                                                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    return instrument_channel(ch)
+
+
+def _call(method, request, timeout: Optional[float]):
+    import grpc
+
+    try:
+        return method(request, timeout=timeout)
+    except grpc.RpcError as e:
+        cls = errors.BY_CODE.get(e.code().name, errors.KilnError)
+        raise cls(e.details()) from None
+
+
+class Pipeline:
+    def __init__(self, store: BlobStore | str | None = None, addresses: Optional[Mapping[str, str]] = None,
+                 timeout: Optional[float] = 600.0):
+        setup_tracing("kiln-client")
+        self.store = store if isinstance(store, BlobStore) else open_store(store)
+        addresses = dict(addresses or {})
+        for s in STAGES:
+            env = os.environ.get(f"KILN_{s.upper()}_ADDR")
+            if s not in addresses and env:
+                addresses[s] = env
+        self.addresses = addresses
+        self.timeout = timeout
+        self._stubs: dict[str, Any] = {}
+        self._executor = None
+
+    @property
+    def remote(self) -> bool:
+        return bool(self.addresses)
+
+    def _stub(self, stage: str):
+        if stage not in self._stubs:
+            from kiln.v1 import services_pb2_grpc
+
+            cls = {"importer": services_pb2_grpc.ImporterStub, "optimizer": services_pb2_grpc.OptimizerStub,
+                   "codegen": services_pb2_grpc.CodegenStub, "executor": services_pb2_grpc.ExecutorStub}[stage]
+            self._stubs[stage] = cls(_channel(self.addresses[stage]))
+        return self._stubs[stage]
+
+    def _local_executor(self):
+        if self._executor is None:
+            from executor_svc.executor import Executor
+
+            self._executor = Executor(self.store)
+        return self._executor
+
+    # ---- the four stages ----
+
+    def import_program(self, program: Digest) -> tuple[Digest, Digest]:
+        if "importer" in self.addresses:
+            r = _call(self._stub("importer").Import, services_pb2.ImportRequest(program=program.to_pb()), self.timeout)
+            return Digest.from_pb(r.graph), Digest.from_pb(r.manifest)
+        from importer_svc.importer import import_program
+
+        r = import_program(self.store, program)
+        return r.graph, r.manifest
+
+    def optimize(self, graph: Digest, search: bool = True, max_iterations: int = 0, max_enodes: int = 0,
+                 time_budget_s: float = 0.0) -> tuple[Digest, services_pb2.OptimizeReport]:
+        req = services_pb2.OptimizeRequest(graph=graph.to_pb(), search=search, max_iterations=max_iterations,
+                                           max_enodes=max_enodes, time_budget_s=time_budget_s)
+        if "optimizer" in self.addresses:
+            r = _call(self._stub("optimizer").Optimize, req, self.timeout)
+            return Digest.from_pb(r.kernel_graph), r.report
+        from optimizer_svc.optimizer import optimize
+        from optimizer_svc.server import options_from_request
+
+        return optimize(self.store, graph, options_from_request(req))
+
+    def emit(self, kernel_graph: Digest, target: str = "cpu") -> tuple[Digest, int, int]:
+        if "codegen" in self.addresses:
+            r = _call(self._stub("codegen").Emit,
+                      services_pb2.EmitRequest(kernel_graph=kernel_graph.to_pb(), target=target), self.timeout)
+            return Digest.from_pb(r.bundle), r.kernels, r.peak_bytes
+        from codegen_svc.codegen import emit
+
+        return emit(self.store, kernel_graph, target)
+
+    def load(self, bundle: Digest, manifest: Digest) -> str:
+        if "executor" in self.addresses:
+            r = _call(self._stub("executor").Load,
+                      services_pb2.LoadRequest(bundle=bundle.to_pb(), manifest=manifest.to_pb()), self.timeout)
+            return r.session
+        return self._local_executor().load(bundle, manifest)
+
+    def run(self, session: str, inputs: Sequence[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:
+        if "executor" in self.addresses:
+            from kiln.tensors import array_from_pb, array_to_pb
+
+            req = services_pb2.RunRequest(session=session, inputs=[array_to_pb(n, a, self.store) for n, a in inputs])
+            r = _call(self._stub("executor").Run, req, self.timeout)
+            return [(t.name, array_from_pb(t, self.store)) for t in r.outputs]
+        return self._local_executor().run(session, inputs)
+
+    # ---- whole compiles ----
+
+    def compile_program(self, program: Digest, search: bool = True, target: str = "cpu") -> CompileResult:
+        with span("kiln.compile", **{"kiln.program": str(program), "kiln.remote": self.remote}):
+            graph, manifest = self.import_program(program)
+            kg, report = self.optimize(graph, search=search)
+            bundle, kernels, peak = self.emit(kg, target)
+        return CompileResult(graph, manifest, kg, bundle, report, kernels, peak)
+
+    def upload_program(self, ep) -> Digest:
+        import torch
+
+        buf = io.BytesIO()
+        torch.export.save(ep, buf)
+        return self.store.put(buf.getvalue())
+
+
+class CompiledModule:
+    """A compiled nn.Module: call it with the module's arguments, get its output structure."""
+
+    def __init__(self, pipeline: Pipeline, result: CompileResult, session: str, in_spec, input_names):
+        self.pipeline = pipeline
+        self.result = result
+        self.session = session
+        self._in_spec = in_spec
+        self._input_names = input_names
+
+    def __call__(self, *args, **kwargs):
+        import torch
+        from torch.utils import _pytree as pytree
+
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if self._in_spec is not None and spec != self._in_spec:
+            raise errors.InvalidArgument(f"arguments have structure {spec}, the module was compiled for "
+                                         f"{self._in_spec}")
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if len(tensors) != len(self._input_names):
+            raise errors.InvalidArgument(f"expected {len(self._input_names)} tensor arguments, got {len(tensors)}")
+        inputs = [(n, t.detach().cpu().contiguous().numpy()) for n, t in zip(self._input_names, tensors)]
+        with span("kiln.call", **{"kiln.session": self.session}):
+            outs = self.pipeline.run(self.session, inputs)
+        result = [torch.from_numpy(np.ascontiguousarray(a)) for _, a in outs]
+        tree = self.pipeline_output_tree
+        return pytree.tree_unflatten(result, tree) if tree is not None else tuple(result)
+
+    @property
+    def pipeline_output_tree(self):
+        from torch.utils import _pytree as pytree
+
+        bundle = self._bundle()
+        return pytree.treespec_loads(bundle.output_tree) if bundle.output_tree else None
+
+    def _bundle(self):
+        if not hasattr(self, "_bundle_pb"):
+            from kiln.v1 import ir_pb2
+
+            self._bundle_pb = self.pipeline.store.get_message(self.result.bundle, ir_pb2.Bundle)
+        return self._bundle_pb
+
+
+def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, *, search: bool = True,
+            target: str = "cpu", pipeline: Optional[Pipeline] = None) -> CompiledModule:
+    """Compile an nn.Module for the example inputs' shapes; returns a callable with its signature."""
+    import torch
+
+    pipeline = pipeline or Pipeline()
+    with span("kiln.export"):
+        try:
+            ep = torch.export.export(module.eval() if hasattr(module, "eval") else module, tuple(example_args),
+                                     example_kwargs or {})
+        except Exception as e:
+            raise errors.FailedPrecondition(f"torch.export failed: {type(e).__name__}: {e}") from e
+    program = pipeline.upload_program(ep)
+    result = pipeline.compile_program(program, search=search, target=target)
+    session = pipeline.load(result.bundle, result.manifest)
+    input_names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    return CompiledModule(pipeline, result, session, ep.call_spec.in_spec, input_names)

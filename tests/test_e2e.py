@@ -1,0 +1,149 @@
+"""End to end, in process and over gRPC with the S3 store: outputs match torch eager."""
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+import kiln
+from kiln.errors import FailedPrecondition, InvalidArgument, NotFound
+from kiln.examples import encoder_example, mlp_example
+
+
+@pytest.mark.parametrize("example", [mlp_example, encoder_example], ids=["mlp", "encoder"])
+def test_model_matches_eager(pipeline, example):
+    model, inputs = example()
+    compiled = kiln.compile(model, inputs, pipeline=pipeline)
+    with torch.no_grad():
+        ref = model(*inputs)
+    out = compiled(*inputs)
+    assert isinstance(out, torch.Tensor) and out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5), (out - ref).abs().max()
+    # new inputs of the same shape, same bundle
+    x2 = torch.randn_like(inputs[0])
+    with torch.no_grad():
+        assert torch.allclose(compiled(x2), model(x2), rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_graph_fuses_and_finds_gemms(local_pipeline):
+    from kiln.ir.kernel import kernel_graph_from_pb
+    from kiln.v1 import ir_pb2
+
+    model, inputs = mlp_example()
+    compiled = kiln.compile(model, inputs, pipeline=local_pipeline)
+    kg = kernel_graph_from_pb(local_pipeline.store.get_message(compiled.result.kernel_graph, ir_pb2.KernelGraph))
+    kinds = [k.kind for k in kg.kernels]
+    assert kinds.count("gemm") == 2  # fc1 and fc2, each a broadcast Mul + SumReduce
+    # the bias add after each GEMM and the GELU polynomial are fused into loop nests
+    compute = sum(1 for n in kg.graph.nodes if n.op.value not in ("Input", "Weight", "Constant", "View"))
+    assert len(kg.kernels) <= compute // 2
+
+
+def test_elementwise_chain_is_one_kernel(local_pipeline):
+    from kiln.ir.kernel import kernel_graph_from_pb
+    from kiln.v1 import ir_pb2
+
+    class Chain(torch.nn.Module):
+        def forward(self, x):
+            return torch.sigmoid(torch.sqrt(torch.exp(torch.sin(x) * 2.0 + 3.0)))
+
+    x = torch.randn(4, 32)
+    compiled = kiln.compile(Chain(), (x,), pipeline=local_pipeline)
+    kg = kernel_graph_from_pb(local_pipeline.store.get_message(compiled.result.kernel_graph, ir_pb2.KernelGraph))
+    assert [k.kind for k in kg.kernels] == ["elementwise"]
+    assert len(kg.kernels[0].nodes) >= 10
+    assert torch.allclose(compiled(x), Chain()(x), rtol=1e-4, atol=1e-5)
+
+
+def test_output_structure_is_kept(pipeline):
+    class TwoOut(torch.nn.Module):
+        def forward(self, x, y):
+            return {"sum": x + y, "prod": (x * y, torch.relu(x))}
+
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    compiled = kiln.compile(TwoOut(), (x, y), pipeline=pipeline)
+    out = compiled(x, y)
+    assert set(out) == {"sum", "prod"}
+    assert torch.allclose(out["sum"], x + y) and torch.allclose(out["prod"][0], x * y)
+    assert torch.equal(out["prod"][1], torch.relu(x))
+
+
+def test_remote_trace_spans_all_services(remote_pipeline, span_exporter):
+    span_exporter.clear()
+    model, inputs = mlp_example(seed=3)
+    compiled = kiln.compile(model, inputs, pipeline=remote_pipeline)
+    compiled(*inputs)
+    spans = span_exporter.get_finished_spans()
+    root = next(s for s in spans if s.name == "kiln.compile")
+    tid = root.context.trace_id
+    in_trace = {s.name for s in spans if s.context.trace_id == tid}
+    for name in ("importer.Import", "optimizer.Optimize", "codegen.Emit"):
+        assert name in in_trace, (name, sorted(in_trace))
+    # the server-side spans are children of gRPC server spans, themselves children of client spans
+    server_spans = [s for s in spans if s.context.trace_id == tid and s.kind.name == "SERVER"]
+    assert {s.name.rsplit("/", 1)[-1] for s in server_spans} >= {"Import", "Optimize", "Emit"}
+    # Load happens in the same trace as Run of the call that follows? Each call is its own trace:
+    loads = [s for s in spans if s.name == "executor.Load"]
+    assert loads, "executor spans missing"
+
+
+def test_unsupported_op_is_failed_precondition(remote_pipeline):
+    class Cumsum(torch.nn.Module):
+        def forward(self, x):
+            return torch.cumsum(x, dim=0)
+
+    with pytest.raises(FailedPrecondition, match=r"aten\.cumsum"):
+        kiln.compile(Cumsum(), (torch.randn(4, 3),), pipeline=remote_pipeline)
+
+
+def test_bad_run_inputs_are_invalid_argument(remote_pipeline):
+    model, inputs = mlp_example()
+    compiled = kiln.compile(model, inputs, pipeline=remote_pipeline)
+    p, sid = remote_pipeline, compiled.session
+    with pytest.raises(InvalidArgument, match=r"input 'x': expected shape \[8, 64\], got \[8, 63\]"):
+        p.run(sid, [("x", np.zeros((8, 63), np.float32))])
+    with pytest.raises(InvalidArgument, match=r"input 'x': expected dtype f32, got int64"):
+        p.run(sid, [("x", np.zeros((8, 64), np.int64))])
+    with pytest.raises(InvalidArgument, match=r"missing input 'x'"):
+        p.run(sid, [("y", np.zeros((8, 64), np.float32))])
+    # still serving
+    out = p.run(sid, [("x", inputs[0].numpy())])
+    assert np.allclose(out[0][1], model(*inputs).detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_digest_and_session_are_not_found(remote_pipeline):
+    from kiln.digest import digest_bytes
+
+    missing = digest_bytes(b"no such artifact")
+    with pytest.raises(NotFound):
+        remote_pipeline.import_program(missing)
+    with pytest.raises(NotFound):
+        remote_pipeline.optimize(missing)
+    with pytest.raises(NotFound):
+        remote_pipeline.emit(missing)
+    with pytest.raises(NotFound):
+        remote_pipeline.load(missing, missing)
+    with pytest.raises(NotFound, match="no session"):
+        remote_pipeline.run("feedface", [("x", np.zeros((1,), np.float32))])
+
+
+def test_malformed_program_is_invalid_argument(remote_pipeline):
+    d = remote_pipeline.store.put(b"this is not a .pt2 archive")
+    with pytest.raises(InvalidArgument, match="not a torch.export program"):
+        remote_pipeline.import_program(d)
+
+
+def test_health_and_reflection(services):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    _, addrs = services
+    for stage, addr in addrs.items():
+        with grpc.insecure_channel(addr) as ch:
+            service = f"kiln.v1.{stage.capitalize()}"
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+            names = {s.name for s in reply.list_services_response.service}
+            assert service in names and "grpc.health.v1.Health" in names

@@ -1,0 +1,97 @@
+"""One suite for the blob store, run against file:// and a real S3 server (SeaweedFS)."""
+
+import io
+import os
+
+import pytest
+
+from kiln.digest import Digest, digest_bytes
+from kiln.errors import InvalidArgument, NotFound
+from kiln.store import FileStore, S3Store
+
+
+def test_put_get_exists(store):
+    d = store.put(b"kiln blob")
+    assert d == digest_bytes(b"kiln blob")
+    assert store.exists(d)
+    assert store.get(d) == b"kiln blob"
+    assert store.put(b"kiln blob") == d  # idempotent
+
+
+def test_missing_blob_is_not_found(store):
+    d = digest_bytes(b"never stored")
+    assert not store.exists(d)
+    with pytest.raises(NotFound):
+        store.get(d)
+
+
+def _overwrite(store, d: Digest, data: bytes):
+    key = store.blob_key(d)
+    if isinstance(store, FileStore):
+        (store.root / key).write_bytes(data)
+    else:
+        store.client.put_object(store.bucket, store.prefix + key, io.BytesIO(data), len(data))
+
+
+def test_get_verifies_hash(store):
+    d = store.put(b"original content")
+    _overwrite(store, d, b"tampered content")
+    with pytest.raises(InvalidArgument, match="corrupt"):
+        store.get(d)
+
+
+def test_action_cache_roundtrip(store):
+    d = store.put(b"result")
+    assert store.get_action("k" * 64) is None
+    store.put_action("k" * 64, d)
+    assert store.get_action("k" * 64) == d
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_interrupted_put_leaves_no_blob(store, monkeypatch):
+    data = b"x" * 100_000
+    d = digest_bytes(data)
+    if isinstance(store, FileStore):
+        real_fsync = os.fsync
+
+        def crash(fd):
+            raise _Interrupted()
+
+        monkeypatch.setattr(os, "fsync", crash)
+        with pytest.raises(_Interrupted):
+            store.put(data)
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        leftovers = [p for p in (store.root / "cas" / "sha256").iterdir()]
+        assert leftovers == []
+    else:
+        class Breaks(io.RawIOBase):
+            def __init__(self):
+                self.sent = 0
+
+            def readable(self):
+                return True
+
+            def readinto(self, b):
+                if self.sent > 30_000:
+                    raise _Interrupted()
+                n = min(len(b), 10_000)
+                b[:n] = data[self.sent:self.sent + n]
+                self.sent += n
+                return n
+
+        with pytest.raises(_Interrupted):
+            store.client.put_object(store.bucket, store.prefix + store.blob_key(d), Breaks(), len(data))
+    assert not store.exists(d)
+    with pytest.raises(NotFound):
+        store.get(d)
+    assert store.put(data) == d and store.get(d) == data
+
+
+def test_s3_store_down_is_unavailable():
+    from kiln.errors import Unavailable
+
+    with pytest.raises(Unavailable):
+        S3Store("bucket", "127.0.0.1:9", "a", "b")
