@@ -1,0 +1,133 @@
+"""The IR: op set, symbolic dims, views and their composition, serialization, digests."""
+
+import itertools
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kiln.digest import digest_message
+from kiln.ir import view as views
+from kiln.ir.builder import GraphBuilder
+from kiln.ir.dtypes import DType
+from kiln.ir.evaluate import apply_view
+from kiln.ir.graph import Graph, Node, validate
+from kiln.ir.ops import GroupOp, Op
+from kiln.ir.serialize import graph_from_pb, graph_to_pb
+from kiln.ir.shape import Sym, contiguous_strides, numel
+
+
+def test_sixteen_primitives_in_groups():
+    assert len(GroupOp.Primitive) == 16
+    assert GroupOp.Unary | GroupOp.Binary | GroupOp.Select | GroupOp.Reduce | GroupOp.Data == GroupOp.Primitive
+    assert {o.value for o in GroupOp.Primitive} == {
+        "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod", "LessThan", "Where", "SumReduce",
+        "MaxReduce", "Iota", "Gather", "Scatter", "Cast"}
+
+
+def test_symbolic_dims():
+    b, s = Sym.named("batch"), Sym.named("seq")
+    d = b * s * 4
+    assert d.evaluate({"batch": 2, "seq": 3}) == 24
+    assert str(b * s + b * s) == "2*batch*seq"
+    assert (b + 1) - 1 == b
+    assert numel((b, s, 8)).evaluate({"batch": 5, "seq": 7}) == 280
+    assert contiguous_strides((b, s, 8))[0].evaluate({"seq": 3}) == 24
+
+
+def _random_chain(rng, shape):
+    """A random list of movement ops on `shape`, as (spec, new shape) pairs."""
+    out = []
+    for _ in range(3):
+        kind = rng.choice(["permute", "reshape", "slice", "expand", "pad"])
+        if kind == "permute":
+            perm = tuple(rng.permutation(len(shape)))
+            v = views.permute(shape, perm)
+        elif kind == "reshape":
+            n = numel(shape)
+            divs = [d for d in range(1, n + 1) if n % d == 0]
+            a = int(rng.choice(divs))
+            v = views.reshape(shape, (a, n // a))
+        elif kind == "slice":
+            dim = int(rng.integers(len(shape)))
+            if shape[dim] < 2:
+                continue
+            v = views.slice_(shape, dim, 1, shape[dim], int(rng.integers(1, 3)))
+        elif kind == "pad":
+            v = views.pad(shape, tuple((int(rng.integers(0, 2)), int(rng.integers(0, 2))) for _ in shape))
+        else:
+            v = views.expand(shape, (2,) + tuple(shape))
+        out.append(v)
+        shape = v.shape
+    return out
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_view_composition_matches_chained_views(seed):
+    rng = np.random.default_rng(seed)
+    shape = tuple(int(x) for x in rng.integers(1, 5, size=int(rng.integers(1, 4))))
+    x = rng.standard_normal(shape).astype(np.float32)
+    chain = _random_chain(rng, shape)
+    expected = x
+    for v in chain:
+        expected = apply_view(expected, v, {})
+    composed = chain[0] if chain else None
+    for v in chain[1:]:
+        composed = views.compose(composed, v) if composed is not None else None
+    if composed is not None:
+        np.testing.assert_array_equal(apply_view(x, composed, {}), expected)
+
+
+def test_view_composition_composes_common_cases():
+    # transpose then unsqueeze then expand: what matmul lowering produces
+    t = views.permute((6, 4), (1, 0))
+    r = views.reshape((4, 6), (1, 4, 6))
+    e = views.expand((1, 4, 6), (3, 4, 6))
+    c = views.compose(views.compose(t, r), e)
+    assert c is not None and c.strides == (0, 1, 4)
+
+
+def _small_graph():
+    b = GraphBuilder()
+    x = b.input("x", (2, 3), DType.F32)
+    w = b.weight("w", (3,), DType.F32)
+    y = b.binary(Op.MUL, x, b.expand(w, (2, 3)))
+    z = b.reduce(Op.SUM_REDUCE, b.unary(Op.EXP2, y), 1)
+    return b.build([z], ["out"])
+
+
+def test_proto_roundtrip():
+    g = _small_graph()
+    assert graph_from_pb(graph_to_pb(g)) == g
+
+
+def test_validate_rejects_cycles_and_dangling_refs():
+    g = _small_graph()
+    bad = list(g.nodes)
+    n = bad[2]
+    bad[2] = Node(n.op, (5,), n.shape, n.dtype, view=n.view)  # forward reference: a cycle
+    with pytest.raises(ValueError, match="not an earlier node"):
+        validate(Graph(tuple(bad), g.inputs, g.weights, g.outputs))
+    with pytest.raises(ValueError, match="does not exist"):
+        validate(Graph(g.nodes, g.inputs, g.weights, (99,)))
+
+
+_DIGEST_SCRIPT = """
+import torch, io
+from kiln.examples import encoder_example
+from importer_svc.importer import lower_program
+from kiln.ir.serialize import graph_to_pb
+from kiln.digest import digest_message
+model, inputs = encoder_example()
+graph, _ = lower_program(torch.export.export(model, inputs))
+print(digest_message(graph_to_pb(graph)))
+"""
+
+
+def test_graph_digest_is_deterministic_across_processes():
+    runs = [subprocess.run([sys.executable, "-c", _DIGEST_SCRIPT], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": str(seed), "PATH": "/usr/bin:/bin"}).stdout.strip().splitlines()[-1]
+            for seed in (1, 2)]
+    assert runs[0] == runs[1]
+    assert len(runs[0].split("/")[0]) == 64

@@ -1,0 +1,140 @@
+"""Optimizer: every rule evaluated on both sides, search bounds, extraction into kernels."""
+
+import numpy as np
+import pytest
+
+from kiln.ir.builder import GraphBuilder
+from kiln.ir.dtypes import DType
+from kiln.ir.evaluate import evaluate
+from kiln.ir.ops import Op
+from optimizer_svc.partition import partition
+from optimizer_svc.search import SearchLimits, saturate
+
+SHAPE = (3, 4)
+
+
+def _c(b, v, like):
+    return b.const(v, DType.F32, b.shape(like))
+
+
+def _graph(body):
+    b = GraphBuilder()
+    x = b.input("x", SHAPE, DType.F32)
+    y = b.input("y", SHAPE, DType.F32)
+    return b.build([body(b, x, y)])
+
+
+# (name, graph body, substring of the rule expected to fire)
+RULES = [
+    ("mul_one_right", lambda b, x, y: b.binary(Op.MUL, x, _c(b, 1.0, x)), "Term.mul(x, Term.view(Term.const(1.0"),
+    ("mul_one_left", lambda b, x, y: b.binary(Op.MUL, _c(b, 1.0, x), x), "Term.mul(Term.view(Term.const(1.0, d), s), x)"),
+    ("add_zero_right", lambda b, x, y: b.binary(Op.ADD, x, _c(b, 0.0, x)), "Term.add(x, Term.view(Term.const(0.0"),
+    ("add_zero_left", lambda b, x, y: b.binary(Op.ADD, _c(b, 0.0, x), x), "Term.add(Term.view(Term.const(0.0, d), s), x)"),
+    ("recip_recip", lambda b, x, y: b.unary(Op.RECIP, b.unary(Op.RECIP, x)), "Term.recip(Term.recip(x))"),
+    ("log2_exp2", lambda b, x, y: b.unary(Op.LOG2, b.unary(Op.EXP2, x)), "Term.log2(Term.exp2(x))"),
+    ("exp2_log2_nonneg", lambda b, x, y: b.unary(Op.EXP2, b.unary(Op.LOG2, b.binary(Op.MUL, x, x))),
+     "Term.exp2(Term.log2(x))"),
+    ("fold_add", lambda b, x, y: b.binary(Op.ADD, x, b.binary(Op.ADD, _c(b, 2.0, x), _c(b, 3.0, x))),
+     "Term.add(Term.view(Term.const(a, d), s), Term.view(Term.const(b, d), s))"),
+    ("fold_mul", lambda b, x, y: b.binary(Op.MUL, x, b.binary(Op.MUL, _c(b, 2.0, x), _c(b, 3.0, x))),
+     "Term.mul(Term.view(Term.const(a, d), s), Term.view(Term.const(b, d), s))"),
+    ("fold_recip", lambda b, x, y: b.binary(Op.MUL, x, b.unary(Op.RECIP, _c(b, 4.0, x))),
+     "Term.recip(Term.view(Term.const(a, d), s))"),
+    ("mul_chain", lambda b, x, y: b.binary(Op.MUL, b.binary(Op.MUL, x, _c(b, 2.0, x)), _c(b, 5.0, x)),
+     "Term.mul(Term.mul(x, Term.view(Term.const(a, d), s)), Term.view(Term.const(b, d), s))"),
+    ("add_chain", lambda b, x, y: b.binary(Op.ADD, b.binary(Op.ADD, x, _c(b, 2.0, x)), _c(b, 5.0, x)),
+     "Term.add(Term.add(x, Term.view(Term.const(a, d), s)), Term.view(Term.const(b, d), s))"),
+    ("compose_views", lambda b, x, y: b.binary(
+        Op.ADD, b.reshape(b.expand(b.reshape(b.permute(x, (1, 0)), (1, 4, 3)), (2, 4, 3)), (2, 12)),
+        b.const(1.0, DType.F32, (2, 12))),
+     "compose_views(a, b)"),
+]
+
+
+@pytest.mark.parametrize("name,body,rule", RULES, ids=[r[0] for r in RULES])
+def test_rule_fires_and_preserves_semantics(name, body, rule):
+    g = _graph(body)
+    opt, report = saturate(g, SearchLimits())
+    assert report.stop_reason == "saturated"
+    fired = {k: v for k, v in report.rules.items() if rule in k and v > 0}
+    assert fired, sorted(report.rules)
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.uniform(0.5, 2.0, SHAPE).astype(np.float32), "y": rng.standard_normal(SHAPE).astype(np.float32)}
+    (before,), (after,) = evaluate(g, inputs, {}), evaluate(opt, inputs, {})
+    np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)
+    assert len(opt.nodes) < len(g.nodes)
+
+
+def test_exp2_log2_is_kept_when_x_may_be_negative():
+    g = _graph(lambda b, x, y: b.unary(Op.EXP2, b.unary(Op.LOG2, x)))
+    opt, report = saturate(g, SearchLimits())
+    x = np.array([[-1.0, 2.0, 0.0, 4.0]] * 3, np.float32)
+    out = evaluate(opt, {"x": x, "y": x}, {})[0]
+    assert np.isnan(out[0, 0]) and out[0, 1] == pytest.approx(2.0)
+    assert {n.op for n in opt.nodes} >= {Op.EXP2, Op.LOG2}
+
+
+def test_bool_constants_are_not_folded_arithmetically():
+    def body(b, x, y):
+        t = b.const(True, DType.BOOL, SHAPE)
+        both = b.binary(Op.ADD, t, b.const(True, DType.BOOL, SHAPE))  # or, not 1 + 1
+        return b.where(both, x, y)
+
+    g = _graph(body)
+    opt, _ = saturate(g, SearchLimits())
+    inputs = {"x": np.ones(SHAPE, np.float32), "y": np.zeros(SHAPE, np.float32)}
+    np.testing.assert_array_equal(evaluate(opt, inputs, {})[0], evaluate(g, inputs, {})[0])
+
+
+def _deep_chain(b, x, y):
+    for i in range(30):
+        x = b.binary(Op.MUL, b.binary(Op.ADD, x, _c(b, float(i), x)), _c(b, 1.0, x))
+    return x
+
+
+def test_iteration_limit_is_reported():
+    _, report = saturate(_graph(_deep_chain), SearchLimits(max_iterations=1))
+    assert report.stop_reason == "iteration limit" and len(report.iterations) == 1
+
+
+def test_enode_limit_is_reported():
+    _, report = saturate(_graph(_deep_chain), SearchLimits(max_enodes=10))
+    assert report.stop_reason == "e-node limit"
+    assert report.iterations[-1].enodes >= 10
+
+
+def test_time_budget_is_reported():
+    _, report = saturate(_graph(_deep_chain), SearchLimits(time_budget_s=0.0))
+    assert report.stop_reason == "time budget"
+
+
+def test_deadline_is_reported():
+    import time
+
+    _, report = saturate(_graph(_deep_chain), SearchLimits(deadline=time.monotonic() - 1))
+    assert report.stop_reason == "deadline"
+
+
+def test_report_sizes_per_iteration():
+    _, report = saturate(_graph(_deep_chain), SearchLimits())
+    assert report.stop_reason == "saturated"
+    assert all(it.enodes > 0 and it.eclasses > 0 for it in report.iterations)
+    assert report.iterations[-1].rules_fired >= 0 and sum(it.rules_fired for it in report.iterations) > 0
+
+
+def test_partition_gemm_and_fusion():
+    b = GraphBuilder()
+    x = b.input("x", (4, 8), DType.F32)
+    w = b.weight("w", (8, 5), DType.F32)
+    from importer_svc import compose as C
+
+    y = C.matmul(b, x, w)
+    z = C.tanh(b, C.add(b, y, b.const(0.5, DType.F32, (4, 5))))
+    kg = partition(b.build([z]))
+    assert [k.kind for k in kg.kernels] == ["gemm", "elementwise"]
+
+
+def test_search_off_is_one_kernel_per_op():
+    g = _graph(lambda b, x, y: b.unary(Op.SQRT, b.binary(Op.ADD, b.unary(Op.EXP2, x), y)))
+    kg = partition(g, fuse=False)
+    assert [g.nodes[k.output].op for k in kg.kernels] == [Op.EXP2, Op.ADD, Op.SQRT]
