@@ -1,0 +1,96 @@
+"""The command line: compile / run / show on a .pt2, and `kiln serve all` on one port."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.examples import mlp_example
+from s3server import free_port
+
+
+def kiln_cli(*args, env=None, check=True):
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True,
+                       env={**os.environ, **(env or {})}, timeout=600)
+    if check and r.returncode != 0:
+        raise AssertionError(f"kiln {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return r
+
+
+@pytest.fixture(scope="module")
+def compiled_mlp(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    model, (x,) = mlp_example(seed=7)
+    torch.export.save(torch.export.export(model, (x,)), d / "mlp.pt2")
+    np.save(d / "x.npy", x.numpy())
+    env = {"KILN_STORE": f"file://{d / 'store'}"}
+    out = json.loads(kiln_cli("compile", str(d / "mlp.pt2"), env=env).stdout)
+    return d, env, out, model, x
+
+
+def test_compile_run_matches_eager(compiled_mlp):
+    d, env, out, model, x = compiled_mlp
+    kiln_cli("run", out["bundle"], "--manifest", out["manifest"], "--input", f"x={d / 'x.npy'}",
+             "--out", str(d / "out"), env=env)
+    (result,) = [np.load(p) for p in (d / "out").iterdir()]
+    assert np.allclose(result, model(x).detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_show_graph_kernel_graph_bundle(compiled_mlp):
+    d, env, out, _, _ = compiled_mlp
+    g = kiln_cli("show", out["graph"], env=env).stdout
+    assert g.startswith("Graph ") and "SumReduce" in g and "weight fc1.weight: f32[256, 64]" in g
+    kg = kiln_cli("show", out["kernel_graph"], env=env).stdout
+    assert kg.startswith("KernelGraph ") and ": gemm," in kg
+    b = kiln_cli("show", out["bundle"], env=env).stdout
+    assert "def run_graph(" in b and "np.dot(" in b and "@njit" in b and "inputs:  x: f32[8, 64]" in b
+    m = kiln_cli("show", out["manifest"].split("/")[0], env=env).stdout  # a bare hash works too
+    assert m.startswith("WeightManifest") and "fc2.bias: f32[10]" in m
+
+
+def test_show_unknown_digest_fails_clearly(compiled_mlp):
+    _, env, _, _, _ = compiled_mlp
+    r = kiln_cli("show", "0" * 64, env=env, check=False)
+    assert r.returncode == 1 and "NOT_FOUND" in r.stderr
+
+
+def test_serve_all_on_one_port(s3):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    import grpc
+
+    import kiln
+    from kiln.pipeline import Pipeline
+
+    port = free_port()
+    env = {**os.environ, **s3.env("kiln-tests/serve-all")}
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", "all", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        addr = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with grpc.insecure_channel(addr) as ch:
+                    health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kiln.v1.Executor"),
+                                                         timeout=2)
+                break
+            except grpc.RpcError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise AssertionError(f"server did not come up: {proc.stdout.read() if proc.poll() is not None else ''}")
+                time.sleep(0.5)
+        from kiln.store import S3Store
+        from s3server import ACCESS_KEY, SECRET_KEY
+
+        store = S3Store("kiln-tests", s3.endpoint, ACCESS_KEY, SECRET_KEY, prefix="serve-all")
+        p = Pipeline(store, {s: addr for s in ("importer", "optimizer", "codegen", "executor")})
+        model, inputs = mlp_example(seed=7)
+        compiled = kiln.compile(model, inputs, pipeline=p)
+        assert torch.allclose(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
+    finally:
+        proc.terminate()
+        proc.wait(30)
