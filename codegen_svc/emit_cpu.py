@@ -220,11 +220,10 @@ class _KernelWriter:
         lines.append(pad + f"for ra in range({_d(in_shape[n.axis])}):")
         lines.append(pad + f"    v = {self.value(src, tuple(ridx))}")
         if is_max:
-            nan_check = " or v != v" if n.dtype.is_float else ""
-            lines.append(pad + f"    if v > acc{nan_check}:")
+            # NaN is sticky, as in torch.max: once acc is NaN nothing replaces it
+            test = "(v > acc or v != v) and acc == acc" if n.dtype.is_float else "v > acc"
+            lines.append(pad + f"    if {test}:")
             lines.append(pad + "        acc = v")
-            if n.dtype.is_float:  # NaN is sticky, as torch.max
-                lines[-2] = pad + f"    if (v > acc or v != v) and acc == acc:"
         else:
             lines.append(pad + "    acc += v")
         oidx = list(idx)

@@ -144,7 +144,7 @@ class Pipeline:
     # ---- whole compiles ----
 
     def compile_program(self, program: Digest, search: bool = True, target: str = "cpu") -> CompileResult:
-        with span("kiln.compile", **{"kiln.program": str(program), "kiln.remote": self.remote}):
+        with span("kiln.compile_program", **{"kiln.program": str(program), "kiln.remote": self.remote}):
             graph, manifest = self.import_program(program)
             kg, report = self.optimize(graph, search=search)
             bundle, kernels, peak = self.emit(kg, target)
@@ -207,14 +207,16 @@ def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, 
     import torch
 
     pipeline = pipeline or Pipeline()
-    with span("kiln.export"):
-        try:
-            ep = torch.export.export(module.eval() if hasattr(module, "eval") else module, tuple(example_args),
-                                     example_kwargs or {})
-        except Exception as e:
-            raise errors.FailedPrecondition(f"torch.export failed: {type(e).__name__}: {e}") from e
-    program = pipeline.upload_program(ep)
-    result = pipeline.compile_program(program, search=search, target=target)
-    session = pipeline.load(result.bundle, result.manifest)
+    # one trace per compile: export, the four stages and the executor's Load
+    with span("kiln.compile", **{"kiln.remote": pipeline.remote}):
+        with span("kiln.export"):
+            try:
+                ep = torch.export.export(module.eval() if hasattr(module, "eval") else module,
+                                         tuple(example_args), example_kwargs or {})
+            except Exception as e:
+                raise errors.FailedPrecondition(f"torch.export failed: {type(e).__name__}: {e}") from e
+        program = pipeline.upload_program(ep)
+        result = pipeline.compile_program(program, search=search, target=target)
+        session = pipeline.load(result.bundle, result.manifest)
     input_names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
     return CompiledModule(pipeline, result, session, ep.call_spec.in_spec, input_names)

@@ -7,13 +7,14 @@ Graph through GraphBuilder so shapes and dtypes are re-inferred and checked.
 
 from __future__ import annotations
 
+import gc
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from egglog import EGraph, String, set_
+from egglog.pretty import pretty_decl
 
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
@@ -112,6 +113,14 @@ class _Encoder:
 
 
 def saturate(g: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport]:
+    try:
+        return _saturate(g, limits)
+    finally:
+        # an egglog EGraph must be freed on the thread that made it (gRPC workers are a pool)
+        gc.collect()
+
+
+def _saturate(g: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport]:
     t0 = time.monotonic()
     report = SearchReport()
     enc = _Encoder(g)
@@ -138,8 +147,6 @@ def saturate(g: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport]:
         with span("optimizer.iteration", **{"kiln.iteration": it}) as s:
             r = eg.run(1, ruleset=rules)
             fired = 0
-            from egglog.pretty import pretty_decl
-
             for decl, count in r.num_matches_per_rule.items():
                 if count:
                     name = pretty_decl(r._decls, decl)
@@ -164,6 +171,7 @@ def saturate(g: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport]:
         if serialized is None or report.stop_reason != "saturated":
             serialized = _serialize(eg)
         out = _extract(g, enc, serialized)
+    del eg, refs
     report.seconds = time.monotonic() - t0
     return out, report
 

@@ -6,15 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import kiln
+from modules import Fn
 
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *xs):
-        return self.fn(*xs)
 
 
 def _kinds(pipeline, compiled):

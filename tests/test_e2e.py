@@ -77,14 +77,14 @@ def test_remote_trace_spans_all_services(remote_pipeline, span_exporter):
     root = next(s for s in spans if s.name == "kiln.compile")
     tid = root.context.trace_id
     in_trace = {s.name for s in spans if s.context.trace_id == tid}
-    for name in ("importer.Import", "optimizer.Optimize", "codegen.Emit"):
+    for name in ("importer.Import", "optimizer.Optimize", "codegen.Emit", "executor.Load"):
         assert name in in_trace, (name, sorted(in_trace))
     # the server-side spans are children of gRPC server spans, themselves children of client spans
     server_spans = [s for s in spans if s.context.trace_id == tid and s.kind.name == "SERVER"]
-    assert {s.name.rsplit("/", 1)[-1] for s in server_spans} >= {"Import", "Optimize", "Emit"}
-    # Load happens in the same trace as Run of the call that follows? Each call is its own trace:
-    loads = [s for s in spans if s.name == "executor.Load"]
-    assert loads, "executor spans missing"
+    assert {s.name.rsplit("/", 1)[-1] for s in server_spans} >= {"Import", "Optimize", "Emit", "Load"}
+    # the call after the compile is its own trace, again across client and executor
+    call = next(s for s in spans if s.name == "kiln.call")
+    assert any(s.name == "executor.Run" and s.context.trace_id == call.context.trace_id for s in spans)
 
 
 def test_unsupported_op_is_failed_precondition(remote_pipeline):
@@ -147,3 +147,16 @@ def test_health_and_reflection(services):
             reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
             names = {s.name for s in reply.list_services_response.service}
             assert service in names and "grpc.health.v1.Health" in names
+
+
+def test_remote_mode_from_environment(services, monkeypatch):
+    from kiln.pipeline import Pipeline
+
+    store, addrs = services
+    for stage, addr in addrs.items():
+        monkeypatch.setenv(f"KILN_{stage.upper()}_ADDR", addr)
+    p = Pipeline(store)
+    assert p.remote and p.addresses == addrs
+    model, inputs = mlp_example()
+    compiled = kiln.compile(model, inputs, pipeline=p)
+    assert torch.allclose(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)

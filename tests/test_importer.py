@@ -13,17 +13,10 @@ from kiln.errors import FailedPrecondition
 from kiln.ir.evaluate import evaluate
 from kiln.pipeline import Pipeline
 from kiln.v1 import ir_pb2
+from modules import Fn
 
 aten = torch.ops.aten
 
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *xs):
-        return self.fn(*xs)
 
 
 def _check(fn, *inputs, rtol=1e-5, atol=1e-6):
