@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from kiln.digest import Digest
-from kiln.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kiln.errors import FailedPrecondition, InvalidArgument, NotFound
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import TensorSpec
 from kiln.ir.serialize import dtype_from_pb, tensor_spec_from_pb
@@ -29,7 +29,7 @@ from kiln.store import BlobStore
 from kiln.telemetry import span
 from kiln.v1 import ir_pb2
 
-MAX_SESSIONS = 64
+MAX_SESSIONS = 64  # least recently used sessions beyond this are evicted
 
 
 def kernel_cache_dir() -> Path:
@@ -102,8 +102,9 @@ class Executor:
             mod = load_module(bundle_d, bundle.module_source)
             sid = uuid.uuid4().hex
             with self._lock:
-                if len(self.sessions) >= MAX_SESSIONS:
-                    raise ResourceExhausted(f"executor holds {MAX_SESSIONS} sessions; close one first")
+                while len(self.sessions) >= MAX_SESSIONS:
+                    # evict the least recently used; its client gets NOT_FOUND and loads again
+                    self.sessions.pop(next(iter(self.sessions)))
                 self.sessions[sid] = Session(sid, bundle_d, getattr(mod, bundle.entry),
                                              tuple(tensor_spec_from_pb(t) for t in bundle.inputs),
                                              tuple(tensor_spec_from_pb(t) for t in bundle.outputs),
@@ -111,9 +112,12 @@ class Executor:
             return sid
 
     def session(self, sid: str) -> Session:
-        s = self.sessions.get(sid)
-        if s is None:
-            raise NotFound(f"no session {sid!r} on this executor (it may have restarted); Load the bundle again")
+        with self._lock:
+            s = self.sessions.pop(sid, None)
+            if s is None:
+                raise NotFound(f"no session {sid!r} on this executor (it was evicted or the executor restarted); "
+                               "Load the bundle again")
+            self.sessions[sid] = s  # most recently used last
         return s
 
     def run(self, sid: str, inputs: Sequence[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:

@@ -160,3 +160,20 @@ def test_remote_mode_from_environment(services, monkeypatch):
     model, inputs = mlp_example()
     compiled = kiln.compile(model, inputs, pipeline=p)
     assert torch.allclose(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
+
+
+def test_least_recently_used_session_is_evicted(local_pipeline, monkeypatch):
+    import executor_svc.executor as ex
+
+    monkeypatch.setattr(ex, "MAX_SESSIONS", 2)
+    model, inputs = mlp_example()
+    compiled = kiln.compile(model, inputs, pipeline=local_pipeline)
+    r = compiled.result
+    second = local_pipeline.load(r.bundle, r.manifest)
+    compiled(*inputs)  # touches the first session
+    third = local_pipeline.load(r.bundle, r.manifest)
+    with pytest.raises(NotFound, match="evicted"):
+        local_pipeline.run(second, [("x", inputs[0].numpy())])
+    for sid in (compiled.session, third):
+        assert np.allclose(local_pipeline.run(sid, [("x", inputs[0].numpy())])[0][1], model(*inputs).detach().numpy(),
+                           rtol=1e-4, atol=1e-5)
