@@ -81,9 +81,13 @@ def lower_program(ep: torch.export.ExportedProgram) -> tuple[Graph, dict[str, to
         b.source = ""
         if node.op == "placeholder":
             val = node.meta.get("val")
+            if val is None or isinstance(val, (bool, int, float, str)):
+                # export specialized the program on this non-tensor argument: a constant here
+                env[node.name] = val
+                continue
             if not isinstance(val, torch.Tensor):
-                raise FailedPrecondition(f"input {node.name!r} is not a tensor ({type(val).__name__}); "
-                                         "kiln takes tensor inputs only")
+                raise FailedPrecondition(f"input {node.name!r} is a {type(val).__name__}; kiln takes tensors and "
+                                         "constant Python scalars only")
             shape = _static(val.shape, node)
             dtype = DType.from_torch(val.dtype)
             if node.name in weight_of:

@@ -552,3 +552,75 @@ def lower_getitem(b, node, seq, i):
 def lower_assertion(b, node, *args, **kwargs):
     # export's runtime checks of facts the lowering already verified against node meta
     return None
+
+
+@register_lowering(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar)
+def lower_bitwise_and(b, node, x, y):
+    if out_dtype(node) is not DType.BOOL:
+        raise NotImplementedError("bitwise_and on integers")
+    return C.logical_and(b, _to(b, x, DType.BOOL, y), _to(b, y, DType.BOOL, x))
+
+
+@register_lowering(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar)
+def lower_bitwise_or(b, node, x, y):
+    if out_dtype(node) is not DType.BOOL:
+        raise NotImplementedError("bitwise_or on integers")
+    return C.logical_or(b, _to(b, x, DType.BOOL, y), _to(b, y, DType.BOOL, x))
+
+
+@register_lowering(aten.bitwise_not.default)
+def lower_bitwise_not(b, node, x):
+    if out_dtype(node) is not DType.BOOL:
+        raise NotImplementedError("bitwise_not on integers")
+    return C.logical_not(b, x)
+
+
+@register_lowering(aten.index.Tensor)
+def lower_index(b, node, x, indices):
+    """x[i0, i1, ...] with index tensors for a prefix of x's dims: one Gather over the
+    flattened prefix, at the linear index of the (broadcast, wrapped) index tensors."""
+    if any(i is None for i in indices):
+        raise NotImplementedError("index with None (skipped dims) among the indices")
+    shape = b.shape(x)
+    k = len(indices)
+    idx = [b.cast(i, DType.I64) for i in indices]
+    idx = b.broadcast(*idx) if k > 1 else idx
+    lin = None
+    stride = 1
+    for m in reversed(range(k)):
+        i = idx[m]
+        wrapped = b.where(C.lt(b, i, C.scalar(b, i, 0)), C.add(b, i, C.scalar(b, i, shape[m])), i)
+        term = wrapped if stride == 1 else C.mul(b, wrapped, C.scalar(b, wrapped, stride))
+        lin = term if lin is None else C.add(b, lin, term)
+        stride = shape[m] * stride
+    out_lead = b.shape(lin)
+    rest = tuple(shape[k:])
+    r = 1
+    for d in rest:
+        r = d * r
+    n = 1
+    for d in out_lead:
+        n = d * n
+    src = b.reshape(x, (stride, r))
+    gidx = b.expand(b.reshape(lin, (n, 1)), (n, r))
+    return b.reshape(b.gather(src, gidx, 0), tuple(out_lead) + rest)
+
+
+@register_lowering(aten.cumsum.default)
+def lower_cumsum(b, node, x, dim, dtype=None):
+    """out[..., i] = sum over j <= i: a masked broadcast and a SumReduce (O(n^2), no scan primitive)."""
+    x = _to(b, x, out_dtype(node))
+    shape = b.shape(x)
+    rank = len(shape)
+    dim = dim % rank
+    perm = [d for d in range(rank) if d != dim] + [dim]
+    xt = b.permute(x, perm) if dim != rank - 1 else x
+    lead, n = b.shape(xt)[:-1], shape[dim]
+    full = tuple(lead) + (n, n)
+    xe = b.expand(b.reshape(xt, tuple(lead) + (1, n)), full)
+    i = b.expand(b.iota((n, n), 0), full)
+    j = b.expand(b.iota((n, n), 1), full)
+    kept = b.where(C.lt(b, i, j), C.scalar(b, xe, 0), xe)
+    s = b.reshape(b.reduce(Op.SUM_REDUCE, kept, rank), tuple(lead) + (n,))
+    inverse = [perm.index(d) for d in range(rank)]
+    return b.permute(s, inverse) if dim != rank - 1 else s

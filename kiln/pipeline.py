@@ -161,12 +161,13 @@ class Pipeline:
 class CompiledModule:
     """A compiled nn.Module: call it with the module's arguments, get its output structure."""
 
-    def __init__(self, pipeline: Pipeline, result: CompileResult, session: str, in_spec, input_names):
+    def __init__(self, pipeline: Pipeline, result: CompileResult, session: str, in_spec):
         self.pipeline = pipeline
         self.result = result
         self.session = session
         self._in_spec = in_spec
-        self._input_names = input_names
+        # tensor inputs in placeholder order; export specialized non-tensor arguments away
+        self._input_names = [t.name for t in self._bundle().inputs]
 
     def __call__(self, *args, **kwargs):
         import torch
@@ -218,5 +219,4 @@ def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, 
         program = pipeline.upload_program(ep)
         result = pipeline.compile_program(program, search=search, target=target)
         session = pipeline.load(result.bundle, result.manifest)
-    input_names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
-    return CompiledModule(pipeline, result, session, ep.call_spec.in_spec, input_names)
+    return CompiledModule(pipeline, result, session, ep.call_spec.in_spec)

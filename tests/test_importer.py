@@ -83,6 +83,11 @@ CASES = {
                     (edge,)),
     "embedding": (lambda w, i: F.embedding(i, w), (torch.randn(10, 4), torch.tensor([[1, 9, 0], [3, 3, 2]]))),
     "to_dtype": (lambda x: (x * 3).to(torch.int64).to(torch.float32), (x34,)),
+    "cumsum": (lambda x: torch.cumsum(x, 1) + torch.cumsum(x, 0), (x34,)),
+    "cumsum_bool": (lambda m: torch.cumsum(m, -1), (torch.tensor([[True, False, True], [False, True, True]]),)),
+    "index": (lambda x, i, j: x[i, j], (torch.randn(4, 5, 3), torch.tensor([[0], [3], [-1]]), torch.tensor([[1, 4]]))),
+    "bool_ops": (lambda x, y: ((x > 0) & (y > 0)).float() + ((x > 0) | (y < 0)).float() + (~(x > y)).float(),
+                 (x34, y34)),
     "maximum": (lambda x, y: torch.maximum(x, y) + torch.minimum(x, y), (edge, edge.flip(0))),
 }
 
@@ -110,14 +115,14 @@ def test_registry_covers_issue_ops():
 
 
 def test_unsupported_op_names_op_and_line():
-    class UsesCumsum(torch.nn.Module):
+    class UsesSort(torch.nn.Module):
         def forward(self, x):
-            return torch.cumsum(x, 0)
+            return torch.sort(x, dim=0)[0]
 
     with pytest.raises(FailedPrecondition) as e:
-        lower_program(torch.export.export(UsesCumsum(), (x34,)))
+        lower_program(torch.export.export(UsesSort(), (x34,)))
     msg = str(e.value)
-    assert "aten.cumsum" in msg and "test_importer.py" in msg and "torch.cumsum(x, 0)" in msg
+    assert "aten.sort" in msg and "test_importer.py" in msg and "torch.sort(x, dim=0)[0]" in msg
 
 
 def test_weights_are_one_blob_per_tensor(file_store):
