@@ -624,3 +624,96 @@ def lower_cumsum(b, node, x, dim, dtype=None):
     s = b.reshape(b.reduce(Op.SUM_REDUCE, kept, rank), tuple(lead) + (n,))
     inverse = [perm.index(d) for d in range(rank)]
     return b.permute(s, inverse) if dim != rank - 1 else s
+
+
+# ---- convolution and pooling: windows are views, convolution is a GEMM over them ----
+
+def _windows(b, x, kernel, stride, dilation, padding):
+    """x[N, C, *S] -> view [N, C, *O, *K] of the zero-padded input (one element per tap)."""
+    from kiln.ir.shape import contiguous_strides
+
+    shape = b.shape(x)
+    nsp = len(kernel)
+    pads = ((0, 0), (0, 0)) + tuple((p, p) for p in padding)
+    xp = b.view(x, views.pad(shape, pads)) if any(padding) else x
+    ps = b.shape(xp)
+    cs = contiguous_strides(ps)
+    outs = [(ps[2 + d] - dilation[d] * (kernel[d] - 1) - 1) // stride[d] + 1 for d in range(nsp)]
+    if any(o <= 0 for o in outs):
+        raise NotImplementedError(f"window {list(kernel)} does not fit the padded input {list(ps)}")
+    spec = views.ViewSpec(tuple(ps[:2]) + tuple(outs) + tuple(kernel),
+                          tuple(cs[:2]) + tuple(cs[2 + d] * stride[d] for d in range(nsp))
+                          + tuple(cs[2 + d] * dilation[d] for d in range(nsp)))
+    return b.view(xp, spec), outs
+
+
+@register_lowering(aten.convolution.default)
+def lower_convolution(b, node, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if transposed:
+        raise NotImplementedError("transposed convolution")
+    n, c = b.shape(x)[:2]
+    oc, cg = b.shape(weight)[:2]
+    kernel = tuple(b.shape(weight)[2:])
+    nsp = len(kernel)
+    win, outs = _windows(b, x, kernel, tuple(stride), tuple(dilation), tuple(padding))
+    g = groups
+    m = 1
+    for o in outs:
+        m = o * m
+    k = cg
+    for kk in kernel:
+        k = kk * k
+    # [N, G, Cg, *O, *K] -> [N, G, *O, Cg, *K] -> [N, G, M, K]
+    win = b.reshape(win, (n, g, cg) + tuple(outs) + kernel)
+    perm = (0, 1) + tuple(range(3, 3 + nsp)) + (2,) + tuple(range(3 + nsp, 3 + 2 * nsp))
+    a = b.reshape(b.permute(win, perm), (n, g, m, k))
+    w = b.permute(b.reshape(weight, (g, oc // g, k)), (0, 2, 1))        # [G, K, Og]
+    y = C.matmul(b, a, w)                                               # [N, G, M, Og]
+    y = b.reshape(b.permute(y, (0, 1, 3, 2)), (n, oc) + tuple(outs))
+    if bias is not None:
+        y = C.add(b, y, b.reshape(bias, (oc,) + (1,) * nsp))
+    return y
+
+
+@register_lowering(aten.max_pool2d_with_indices.default)
+def lower_max_pool2d(b, node, x, kernel_size, stride=(), padding=(0, 0), dilation=(1, 1), ceil_mode=False):
+    if ceil_mode:
+        raise NotImplementedError("max_pool2d with ceil_mode=True")
+    kernel = tuple(kernel_size) if len(kernel_size) == 2 else tuple(kernel_size) * 2
+    stride = tuple(stride) if stride else kernel
+    stride = stride if len(stride) == 2 else stride * 2
+    padding = tuple(padding) if len(padding) == 2 else tuple(padding) * 2
+    dilation = tuple(dilation) if len(dilation) == 2 else tuple(dilation) * 2
+    win, outs = _windows(b, x, kernel, stride, dilation, padding)
+    if any(padding):  # padded taps must never win the max: -inf there, not 0
+        inside, _ = _windows(b, b.const(True, DType.BOOL, b.shape(x)), kernel, stride, dilation, padding)
+        win = b.where(inside, win, C.scalar(b, win, -math.inf))
+    r = b.reduce(Op.MAX_REDUCE, b.reduce(Op.MAX_REDUCE, win, 4), 5)
+    out = b.reshape(r, tuple(b.shape(x)[:2]) + tuple(outs))
+    return out, None  # the indices output has no lowering; a program that reads it fails in its consumer
+
+
+@register_lowering(aten._native_batch_norm_legit_no_training.default)
+def lower_batch_norm_eval(b, node, x, weight, bias, running_mean, running_var, momentum, eps):
+    rank = len(b.shape(x))
+    per_channel = lambda t: b.reshape(t, (b.shape(t)[0],) + (1,) * (rank - 2))  # noqa: E731
+    rstd = b.unary(Op.RECIP, b.unary(Op.SQRT, C.add(b, running_var, C.scalar(b, running_var, eps))))
+    y = C.mul(b, C.sub(b, x, per_channel(running_mean)), per_channel(rstd))
+    if weight is not None:
+        y = C.mul(b, y, per_channel(weight))
+    if bias is not None:
+        y = C.add(b, y, per_channel(bias))
+    return y, None, None
+
+
+@register_lowering(aten._adaptive_avg_pool2d.default)
+def lower_adaptive_avg_pool2d(b, node, x, output_size):
+    spatial = b.shape(x)[-2:]
+    if any(s % o for s, o in zip(spatial, output_size)):
+        raise NotImplementedError(f"adaptive_avg_pool2d from {list(spatial)} to {list(output_size)} "
+                                  "(only evenly dividing windows)")
+    kernel = tuple(s // o for s, o in zip(spatial, output_size))
+    lead = tuple(b.shape(x)[:-2])
+    x4 = b.reshape(x, (1,) * (2 - len(lead)) + lead + tuple(spatial)) if len(lead) < 2 else x
+    win, outs = _windows(b, x4, kernel, kernel, (1, 1), (0, 0))
+    return b.reshape(C.mean(b, win, [4, 5], False), lead + tuple(outs))

@@ -61,3 +61,42 @@ def mlp_example(seed: int = 0):
 def encoder_example(seed: int = 0, batch: int = 2, seq: int = 16):
     torch.manual_seed(seed)
     return Encoder().eval(), (torch.randn(batch, seq, 64),)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, c: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, 2 * c, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(2 * c)
+        self.conv2 = nn.Conv2d(2 * c, 2 * c, 3, padding=1, groups=2, bias=False)
+        self.bn2 = nn.BatchNorm2d(2 * c)
+        self.down = nn.Sequential(nn.Conv2d(c, 2 * c, 1, stride=stride), nn.BatchNorm2d(2 * c))
+
+    def forward(self, x):
+        return torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))) + self.down(x))
+
+
+class SmallResNet(nn.Module):
+    """A ResNet-style CNN: strided, padded and grouped convs, batch norm, max pool, adaptive avg pool."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.block = ResidualBlock(8, 2)
+        self.avg = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, classes)
+
+    def forward(self, x):
+        x = self.block(self.pool(torch.relu(self.stem(x))))
+        return self.fc(torch.flatten(self.avg(x), 1))
+
+
+def resnet_example(seed: int = 0):
+    torch.manual_seed(seed)
+    model = SmallResNet()
+    for m in model.modules():  # non-trivial batch-norm statistics
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    return model.eval(), (torch.randn(2, 3, 16, 16),)

@@ -7,7 +7,7 @@ import torch
 
 import kiln
 from kiln.errors import FailedPrecondition, InvalidArgument, NotFound
-from kiln.examples import encoder_example, mlp_example
+from kiln.examples import encoder_example, mlp_example, resnet_example
 
 
 @pytest.mark.parametrize("example", [mlp_example, encoder_example], ids=["mlp", "encoder"])
@@ -177,3 +177,11 @@ def test_least_recently_used_session_is_evicted(local_pipeline, monkeypatch):
     for sid in (compiled.session, third):
         assert np.allclose(local_pipeline.run(sid, [("x", inputs[0].numpy())])[0][1], model(*inputs).detach().numpy(),
                            rtol=1e-4, atol=1e-5)
+
+
+def test_resnet_style_cnn_matches_eager(local_pipeline):
+    model, inputs = resnet_example()
+    compiled = kiln.compile(model, inputs, pipeline=local_pipeline)
+    with torch.no_grad():
+        ref = model(*inputs)
+    assert torch.allclose(compiled(*inputs), ref, rtol=1e-4, atol=1e-4)

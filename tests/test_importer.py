@@ -88,6 +88,17 @@ CASES = {
     "index": (lambda x, i, j: x[i, j], (torch.randn(4, 5, 3), torch.tensor([[0], [3], [-1]]), torch.tensor([[1, 4]]))),
     "bool_ops": (lambda x, y: ((x > 0) & (y > 0)).float() + ((x > 0) | (y < 0)).float() + (~(x > y)).float(),
                  (x34, y34)),
+    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), (torch.randn(2, 4, 9, 9),
+                                                                          torch.randn(6, 4, 3, 3), torch.randn(6))),
+    "conv2d_groups_dilation": (lambda x, w: F.conv2d(x, w, stride=1, padding=2, dilation=2, groups=2),
+                               (torch.randn(1, 4, 7, 7), torch.randn(6, 2, 3, 3))),
+    "conv1d": (lambda x, w: F.conv1d(x, w, padding=1), (torch.randn(2, 3, 10), torch.randn(5, 3, 3))),
+    "max_pool2d": (lambda x: F.max_pool2d(x, 3, stride=2, padding=1), (torch.randn(2, 3, 9, 9) - 5,)),
+    "batch_norm_eval": (lambda x, m, v, w, b: F.batch_norm(x, m, v, w, b, training=False, eps=1e-3),
+                        (torch.randn(2, 3, 4, 4), torch.randn(3), torch.rand(3) + 0.5, torch.randn(3),
+                         torch.randn(3))),
+    "adaptive_avg_pool": (lambda x: F.adaptive_avg_pool2d(x, 1) + F.adaptive_avg_pool2d(x, (2, 2)).sum(),
+                          (torch.randn(2, 3, 4, 4),)),
     "maximum": (lambda x, y: torch.maximum(x, y) + torch.minimum(x, y), (edge, edge.flip(0))),
 }
 
