@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from importer_svc.lowerings import LOWERINGS
+from importer_svc.lowerings import KEEP_UNDECOMPOSED, LOWERINGS
 from kiln import cache
 from kiln.digest import Digest
 from kiln.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -59,7 +59,10 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 
 def lower_program(ep: torch.export.ExportedProgram) -> tuple[Graph, dict[str, torch.Tensor]]:
     with span("importer.decompose"):
-        ep = ep.run_decompositions()
+        table = torch.export.default_decompositions()
+        for op in KEEP_UNDECOMPOSED:
+            table.pop(op, None)
+        ep = ep.run_decompositions(table)
     sig = ep.graph_signature
     weight_of: dict[str, str] = {}
     for spec in sig.input_specs:

@@ -717,3 +717,42 @@ def lower_adaptive_avg_pool2d(b, node, x, output_size):
     x4 = b.reshape(x, (1,) * (2 - len(lead)) + lead + tuple(spatial)) if len(lead) < 2 else x
     win, outs = _windows(b, x4, kernel, kernel, (1, 1), (0, 0))
     return b.reshape(C.mean(b, win, [4, 5], False), lead + tuple(outs))
+
+
+# scaled_dot_product_attention stays whole through run_decompositions (torch's CPU decomposition
+# mis-strides some programs, GPT-2's among them) and is lowered here to its primitive form
+KEEP_UNDECOMPOSED = (aten.scaled_dot_product_attention.default,)
+
+
+@register_lowering(aten.scaled_dot_product_attention.default)
+def lower_sdpa(b, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if dropout_p:
+        raise NotImplementedError("attention dropout (export the model in eval mode)")
+    qs, ks = b.shape(q), b.shape(k)
+    if enable_gqa and qs[-3] != ks[-3]:
+        rep = qs[-3] // ks[-3]
+
+        def repeat(t):
+            s = b.shape(t)
+            e = b.expand(b.reshape(t, s[:-2] + (1,) + s[-2:]), s[:-2] + (rep,) + s[-2:])
+            return b.reshape(e, s[:-3] + (s[-3] * rep,) + s[-2:])
+
+        k, v = repeat(k), repeat(v)
+    scale = 1.0 / math.sqrt(qs[-1]) if scale is None else scale
+    kt = b.permute(k, tuple(range(len(ks) - 2)) + (len(ks) - 1, len(ks) - 2))
+    scores = C.matmul(b, C.mul(b, q, C.scalar(b, q, scale)), kt)
+    ninf = C.scalar(b, scores, -math.inf)
+    L, S = b.shape(scores)[-2:]
+    if is_causal:
+        i, j = b.iota((L, S), 0), b.iota((L, S), 1)
+        scores = b.where(C.lt(b, i, j), ninf, scores)
+    if attn_mask is not None:
+        if b.dtype(attn_mask) is DType.BOOL:
+            scores = b.where(attn_mask, scores, ninf)
+        else:
+            scores = C.add(b, scores, b.cast(attn_mask, b.dtype(scores)))
+    p = C.softmax(b, scores, -1)
+    # a row with every key masked attends to nothing (0), as torch's CPU kernels give
+    m = b.reduce(Op.MAX_REDUCE, scores, len(b.shape(scores)) - 1)
+    p = b.where(C.eq(b, m, C.scalar(b, m, -math.inf)), C.scalar(b, p, 0.0), p)
+    return C.matmul(b, p, v)

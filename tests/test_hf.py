@@ -1,8 +1,7 @@
 """Hugging Face models built from small configs with random weights, compiled and run by kiln.
 
 Tolerance: fp32 allclose(rtol=1e-4, atol=1e-4) on logits / hidden states, as the importer
-issue states. GPT-2 is not here yet: torch.export's run_decompositions() fails on its
-Conv1D view of a non-contiguous tensor (see the session note).
+issue states.
 """
 
 import pytest
@@ -32,6 +31,13 @@ def _llama():
     return LlamaForCausalLM(cfg), {"input_ids": ids, "use_cache": False}
 
 
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    return GPT2LMHeadModel(cfg), {"input_ids": torch.randint(0, 100, (2, 7)), "use_cache": False}
+
+
 def _bert():
     from transformers import BertConfig, BertModel
 
@@ -43,7 +49,7 @@ def _bert():
     return BertModel(cfg), {"input_ids": ids, "attention_mask": mask, "token_type_ids": (ids % 2)}
 
 
-@pytest.mark.parametrize("build", [_llama, _bert], ids=["llama", "bert"])
+@pytest.mark.parametrize("build", [_llama, _gpt2, _bert], ids=["llama", "gpt2", "bert"])
 def test_hf_model_matches_eager(local_pipeline, build):
     torch.manual_seed(0)
     model, kwargs = build()
