@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from importer_svc.lowerings import KEEP_UNDECOMPOSED, LOWERINGS
+from importer_svc.safe_load import load_program
 from kiln import cache
 from kiln.digest import Digest
 from kiln.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -30,13 +31,6 @@ class ImportResult:
     graph: Digest
     manifest: Digest
     node_count: int
-
-
-def load_program(data: bytes) -> torch.export.ExportedProgram:
-    try:
-        return torch.export.load(io.BytesIO(data))
-    except Exception as e:  # a malformed archive: torch raises many exception types here
-        raise InvalidArgument(f"not a torch.export program (.pt2): {type(e).__name__}: {e}") from e
 
 
 def source_of(node) -> str:
