@@ -27,13 +27,21 @@ def _pipeline(args):
 def cmd_compile(args) -> int:
     from kiln.digest import Digest
 
+    from kiln.hf import is_hf_directory, load_hf_directory
+
     p = _pipeline(args)
     path = Path(args.model)
-    if not path.is_file():
-        print(f"kiln compile: {args.model}: not a file (expected a .pt2 written by torch.export.save)",
-              file=sys.stderr)
+    if is_hf_directory(path):
+        import torch
+
+        module, kwargs = load_hf_directory(path, batch=args.batch, seq_len=args.seq_len)
+        program = p.upload_program(torch.export.export(module, (), kwargs, strict=False))
+    elif path.is_file():
+        program = p.store.put(path.read_bytes())
+    else:
+        print(f"kiln compile: {args.model}: expected a .pt2 file written by torch.export.save or a Hugging Face "
+              "directory (config.json + *.safetensors)", file=sys.stderr)
         return 2
-    program = p.store.put(path.read_bytes())
     r = p.compile_program(program, search=not args.no_search, target=args.target)
     out = {"program": str(program), "graph": str(r.graph), "manifest": str(r.manifest),
            "kernel_graph": str(r.kernel_graph), "bundle": str(r.bundle), "kernels": r.kernels,
@@ -105,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     for s in ("importer", "optimizer", "codegen", "executor"):
         ap.add_argument(f"--{s}-addr", default=None, help=f"{s} service address(es) (default $KILN_{s.upper()}_ADDR)")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("compile", help="compile a .pt2 program; prints the artifact digests")
-    c.add_argument("model")
+    c = sub.add_parser("compile", help="compile a .pt2 program or a Hugging Face directory; prints the digests")
+    c.add_argument("model", help="a .pt2 file, or a directory written by save_pretrained")
+    c.add_argument("--batch", type=int, default=1, help="batch size of a Hugging Face model's example input")
+    c.add_argument("--seq-len", type=int, default=16, help="sequence length of a Hugging Face model's example input")
     c.add_argument("--no-search", action="store_true", help="skip equality saturation (one kernel per op)")
     c.add_argument("--target", default="cpu")
     c.set_defaults(fn=cmd_compile)

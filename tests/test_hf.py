@@ -4,22 +4,15 @@ Tolerance: fp32 allclose(rtol=1e-4, atol=1e-4) on logits / hidden states, as the
 issue states.
 """
 
+import json
+
 import pytest
 import torch
 
 import kiln
 
 
-class Logits(torch.nn.Module):
-    """Returns the tensor a user compares: logits for LMs, last_hidden_state for encoders."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, **kw):
-        out = self.model(**kw)
-        return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+from kiln.hf import ModelOutputTensor as Logits
 
 
 def _llama():
@@ -60,3 +53,44 @@ def test_hf_model_matches_eager(local_pipeline, build):
     out = compiled(**kwargs)
     assert out.shape == ref.shape
     assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4), (out - ref).abs().max()
+
+
+def test_cli_compiles_a_save_pretrained_directory(tmp_path):
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    torch.manual_seed(1)
+    model, _ = _llama()
+    model.save_pretrained(tmp_path / "llama", safe_serialization=True)
+    env = {**__import__("os").environ, "KILN_STORE": f"file://{tmp_path / 'store'}"}
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(tmp_path / "llama"), "--seq-len", "5"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    ids = torch.randint(0, 100, (1, 5))
+    np.save(tmp_path / "ids.npy", ids.numpy())
+    np.save(tmp_path / "mask.npy", torch.ones_like(ids).numpy())
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "run", out["bundle"], "--manifest", out["manifest"],
+                        "--input", f"input_ids={tmp_path / 'ids.npy'}", "--input",
+                        f"attention_mask={tmp_path / 'mask.npy'}", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (logits,) = [np.load(p) for p in (tmp_path / "out").iterdir()]
+    with torch.no_grad():
+        ref = model.eval()(input_ids=ids, use_cache=False).logits
+    assert np.allclose(logits, ref.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_directory_with_remote_code_is_refused(tmp_path):
+    from kiln.errors import FailedPrecondition
+    from kiln.hf import load_hf_directory
+
+    model, _ = _llama()
+    model.save_pretrained(tmp_path / "m", safe_serialization=True)
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "evil.Model"}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FailedPrecondition, match="custom code"):
+        load_hf_directory(tmp_path / "m")

@@ -1,0 +1,63 @@
+"""Hugging Face model directories (config.json + *.safetensors) as kiln inputs.
+
+The architecture is built by transformers from the config; weights are read only from
+safetensors (never pickle); code shipped in the directory is never run (no
+trust_remote_code: a config that asks for remote code is refused).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kiln.errors import FailedPrecondition, InvalidArgument
+
+
+class ModelOutputTensor(torch.nn.Module):
+    """A transformers model returning the tensor users compare: logits, else last_hidden_state."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **kwargs):
+        out = self.model(**kwargs)
+        logits = getattr(out, "logits", None)
+        return logits if logits is not None else out.last_hidden_state
+
+
+def is_hf_directory(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / "config.json").is_file()
+
+
+def load_hf_directory(path: str | Path, batch: int = 1, seq_len: int = 16):
+    """(module, example kwargs) for a save_pretrained directory."""
+    import transformers
+
+    p = Path(path)
+    try:
+        raw = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidArgument(f"{p / 'config.json'}: not a readable JSON config: {e}") from e
+    if "auto_map" in raw:
+        raise FailedPrecondition(f"{p} asks for custom code (auto_map); kiln never runs code from a model directory")
+    if not list(p.glob("*.safetensors")):
+        raise FailedPrecondition(f"{p} has no *.safetensors weights; kiln does not load pickled (.bin) weights")
+    archs = raw.get("architectures") or []
+    if not archs or not hasattr(transformers, archs[0]):
+        raise FailedPrecondition(f"{p}: architecture {archs[:1] or 'unset'} is not a transformers class")
+    cls = getattr(transformers, archs[0])
+    try:
+        model = cls.from_pretrained(p, use_safetensors=True, trust_remote_code=False, local_files_only=True)
+    except Exception as e:  # transformers raises many types for a broken directory
+        raise InvalidArgument(f"{p}: transformers could not build {archs[0]}: {type(e).__name__}: {e}") from e
+    model.eval()
+    vocab = int(getattr(model.config, "vocab_size", 2))
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if getattr(model.config, "use_cache", None) is not None:
+        kwargs["use_cache"] = False
+    return ModelOutputTensor(model), kwargs
