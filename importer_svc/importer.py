@@ -51,12 +51,35 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.numpy().tobytes()
 
 
+def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Core ATen, except the ops kiln lowers whole (see KEEP_UNDECOMPOSED)."""
+    table = torch.export.default_decompositions()
+    for op in KEEP_UNDECOMPOSED:
+        table.pop(op, None)
+    return ep.run_decompositions(table)
+
+
+@dataclass(frozen=True)
+class OpUse:
+    op: str
+    count: int
+    supported: bool
+    first_use: str
+
+
+def required_ops(ep: torch.export.ExportedProgram) -> list[OpUse]:
+    """The ATen ops a program needs after decomposition, and whether each has a lowering."""
+    uses: dict[str, list] = {}
+    for node in decompose(ep).graph.nodes:
+        if node.op == "call_function":
+            entry = uses.setdefault(str(node.target), [0, node.target in LOWERINGS, source_of(node)])
+            entry[0] += 1
+    return [OpUse(op, n, ok, where) for op, (n, ok, where) in sorted(uses.items())]
+
+
 def lower_program(ep: torch.export.ExportedProgram) -> tuple[Graph, dict[str, torch.Tensor]]:
     with span("importer.decompose"):
-        table = torch.export.default_decompositions()
-        for op in KEEP_UNDECOMPOSED:
-            table.pop(op, None)
-        ep = ep.run_decompositions(table)
+        ep = decompose(ep)
     sig = ep.graph_signature
     weight_of: dict[str, str] = {}
     for spec in sig.input_specs:

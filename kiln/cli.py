@@ -27,21 +27,16 @@ def _pipeline(args):
 def cmd_compile(args) -> int:
     from kiln.digest import Digest
 
-    from kiln.hf import is_hf_directory, load_hf_directory
+    from kiln.hf import is_hf_directory
 
     p = _pipeline(args)
     path = Path(args.model)
     if is_hf_directory(path):
-        import torch
-
-        module, kwargs = load_hf_directory(path, batch=args.batch, seq_len=args.seq_len)
-        program = p.upload_program(torch.export.export(module, (), kwargs, strict=False))
+        program = p.upload_program(_load_model(args))
     elif path.is_file():
-        program = p.store.put(path.read_bytes())
+        program = p.store.put(path.read_bytes())  # the importer loads it safely, wherever it runs
     else:
-        print(f"kiln compile: {args.model}: expected a .pt2 file written by torch.export.save or a Hugging Face "
-              "directory (config.json + *.safetensors)", file=sys.stderr)
-        return 2
+        _load_model(args)  # raises the error that says what is expected
     r = p.compile_program(program, search=not args.no_search, target=args.target)
     out = {"program": str(program), "graph": str(r.graph), "manifest": str(r.manifest),
            "kernel_graph": str(r.kernel_graph), "bundle": str(r.bundle), "kernels": r.kernels,
@@ -49,6 +44,36 @@ def cmd_compile(args) -> int:
            "nodes_after": r.report.nodes_after}
     print(json.dumps(out, indent=2))
     return 0
+
+
+def _load_model(args):
+    """An ExportedProgram from a .pt2 file or a Hugging Face directory, without running its code."""
+    import torch
+
+    from kiln.hf import is_hf_directory, load_hf_directory
+
+    path = Path(args.model)
+    if is_hf_directory(path):
+        module, kwargs = load_hf_directory(path, batch=args.batch, seq_len=args.seq_len)
+        return torch.export.export(module, (), kwargs, strict=False)
+    if path.is_file():
+        from importer_svc.safe_load import load_program
+
+        return load_program(path.read_bytes())
+    raise ValueError(f"{args.model}: expected a .pt2 file written by torch.export.save or a Hugging Face "
+                     "directory (config.json + *.safetensors)")
+
+
+def cmd_ops(args) -> int:
+    from importer_svc.importer import required_ops
+
+    uses = required_ops(_load_model(args))
+    missing = [u for u in uses if not u.supported]
+    width = max((len(u.op) for u in uses), default=10)
+    for u in uses:
+        print(f"{u.op:<{width}}  {u.count:>4}  {'ok' if u.supported else 'MISSING  first used at ' + u.first_use}")
+    print(f"{len(uses)} ops, {len(missing)} missing")
+    return 1 if missing else 0
 
 
 def cmd_run(args) -> int:
@@ -120,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-search", action="store_true", help="skip equality saturation (one kernel per op)")
     c.add_argument("--target", default="cpu")
     c.set_defaults(fn=cmd_compile)
+    o = sub.add_parser("ops", help="list the ATen ops a model needs and which have no lowering (no compile)")
+    o.add_argument("model", help="a .pt2 file, or a directory written by save_pretrained")
+    o.add_argument("--batch", type=int, default=1)
+    o.add_argument("--seq-len", type=int, default=16)
+    o.set_defaults(fn=cmd_ops)
     r = sub.add_parser("run", help="run a compiled bundle on .npy inputs")
     r.add_argument("bundle")
     r.add_argument("--manifest", required=True)

@@ -94,3 +94,18 @@ def test_serve_all_on_one_port(s3):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_ops_lists_needs_and_missing(tmp_path):
+    class Mixed(torch.nn.Module):
+        def forward(self, x):
+            return torch.sort(torch.relu(x) + 1, dim=0)[0]
+
+    torch.export.save(torch.export.export(Mixed(), (torch.randn(4, 3),)), tmp_path / "m.pt2")
+    r = kiln_cli("ops", str(tmp_path / "m.pt2"), check=False)
+    assert r.returncode == 1
+    lines = r.stdout.splitlines()
+    assert any(l.startswith("aten.relu.default") and l.rstrip().endswith("ok") for l in lines)
+    sort = next(l for l in lines if l.startswith("aten.sort.default"))
+    assert "MISSING" in sort and "test_cli.py" in sort
+    assert lines[-1].endswith("1 missing")
