@@ -756,3 +756,8 @@ def lower_sdpa(b, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
     m = b.reduce(Op.MAX_REDUCE, scores, len(b.shape(scores)) - 1)
     p = b.where(C.eq(b, m, C.scalar(b, m, -math.inf)), C.scalar(b, p, 0.0), p)
     return C.matmul(b, p, v)
+
+
+@register_lowering(aten.gather.default)
+def lower_gather(b, node, x, dim, index, sparse_grad=False):
+    return b.gather(x, b.cast(index, DType.I64), dim % len(b.shape(x)))

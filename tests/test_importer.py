@@ -92,6 +92,7 @@ CASES = {
     "compare_nan": (lambda x: torch.stack([(x < 1).float(), (x >= 1).float(), (x != x).float()]).sum(0) + 0,
                     (edge,)),
     "embedding": (lambda w, i: F.embedding(i, w), (torch.randn(10, 4), torch.tensor([[1, 9, 0], [3, 3, 2]]))),
+    "gather": (lambda x, i: torch.gather(x, 1, i), (torch.randn(3, 5), torch.tensor([[0, 4], [2, 2], [1, 3]]))),
     "to_dtype": (lambda x: (x * 3).to(torch.int64).to(torch.float32), (x34,)),
     "cumsum": (lambda x: torch.cumsum(x, 1) + torch.cumsum(x, 0), (x34,)),
     "cumsum_bool": (lambda m: torch.cumsum(m, -1), (torch.tensor([[True, False, True], [False, True, True]]),)),
