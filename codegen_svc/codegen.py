@@ -46,6 +46,8 @@ def emit(store: BlobStore, kg_d: Digest, target: str = "cpu") -> tuple[Digest, i
     for t in g.weights:
         tensor_spec_to_pb(t, bundle.weights.add())
     bundle.weight_names.extend(t.name for t in g.weights)
+    for name, lo, hi in g.symbols:
+        bundle.symbols.add(name=name, min=lo, max=hi)
     for slot in prog.memory.slots:
         p = bundle.memory.slots.add(slot=slot.slot, dtype=dtype_to_pb(slot.dtype))
         dim_to_pb(slot.elements, p.elements)

@@ -185,7 +185,7 @@ class _KernelWriter:
         return ", ".join(["out"] + [self.reads[j] for j in self.k.reads] + self.symbols())
 
     def symbols(self) -> list[str]:
-        return sorted(set().union(*[_syms(self.g.nodes[j].shape) for j in self.k.nodes]) or set())
+        return graph_symbols(self.g)
 
     def emit(self) -> str:
         node = self.g.nodes[self.k.output]
@@ -341,12 +341,24 @@ class _KernelWriter:
         return lines
 
 
-def _syms(shape) -> set[str]:
+def _syms(dims) -> set[str]:
     out = set()
-    for d in shape:
+    for d in dims:
         if not isinstance(d, int):
             out |= d.symbols()
     return out
+
+
+def graph_symbols(g: Graph) -> list[str]:
+    """Every symbolic dim the graph uses, sorted: extra arguments of the entry and of each kernel."""
+    found = set()
+    for n in g.nodes:
+        found |= _syms(n.shape)
+        if n.view is not None:
+            found |= _syms(n.view.strides) | _syms((n.view.offset,))
+            if n.view.mask is not None:
+                found |= _syms([x for r in n.view.mask for x in r])
+    return sorted(found)
 
 
 def emit_cpu(kg: KernelGraph) -> CpuProgram:
@@ -380,18 +392,12 @@ def _emit_entry(kg: KernelGraph, plan: MemoryPlan) -> str:
             buf[i] = f"in{in_index[n.name]}"
         elif n.op is Op.WEIGHT:
             buf[i] = f"w{w_index[n.name]}"
-    lines = ["@njit(cache=True, nogil=True)", f"def run_graph({', '.join(args)}):"]
+    syms = graph_symbols(g)
+    missing = set(syms) - {s for s, _, _ in g.symbols}
+    if missing:
+        raise FailedPrecondition(f"graph uses symbols {sorted(missing)} that its inputs do not define")
+    lines = ["@njit(cache=True, nogil=True)", f"def run_graph({', '.join(args + syms)}):"]
     # bind symbolic dims from the input shapes
-    bound = set()
-    for i, t in enumerate(g.inputs):
-        for k, d in enumerate(t.shape):
-            if not isinstance(d, int) and len(d.terms) == 1 and d.terms[0][1] == 1 and len(d.terms[0][0]) == 1:
-                s = d.terms[0][0][0]
-                if s not in bound:
-                    bound.add(s)
-                    lines.append(f"    {s} = in{i}_shape{k}")
-    if bound:
-        raise FailedPrecondition("symbolic dims are not supported by the cpu entry yet")
     for slot in plan.slots:
         lines.append(f"    s{slot.slot} = np.empty({_d(slot.elements)}, dtype={_NP[slot.dtype]})")
     outs = set(g.outputs)
@@ -406,7 +412,6 @@ def _emit_entry(kg: KernelGraph, plan: MemoryPlan) -> str:
         buf[i] = f"s{s}"
     buf.update(out_buf)
     for k in kg.kernels:
-        syms = sorted(set().union(*[_syms(g.nodes[j].shape) for j in k.nodes]) or set())
         lines.append(f"    {k.name}({', '.join([buf[k.output]] + [buf[j] for j in k.reads] + syms)})")
     rets = []
     for o in g.outputs:

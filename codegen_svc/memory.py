@@ -21,14 +21,11 @@ class Slot:
 class MemoryPlan:
     slots: tuple[Slot, ...]
     node_slot: dict[int, int]
-    peak_bytes: int          # intermediates + outputs, symbolic dims taken as 1
+    peak_bytes: int          # intermediates + outputs, symbolic dims at their largest
     naive_bytes: int         # what one buffer per intermediate would take
 
 
-def _bytes(elements: Dim, dtype: DType) -> int:
-    env = {}
-    if not isinstance(elements, int):
-        env = {s: 1 for s in elements.symbols()}
+def _bytes(elements: Dim, dtype: DType, env) -> int:
     return evaluate_dim(elements, env) * dtype.itemsize
 
 
@@ -44,14 +41,15 @@ def plan_memory(kg: KernelGraph) -> MemoryPlan:
     node_slot: dict[int, int] = {}
     naive = 0
     out_bytes = 0
+    env = {name: hi for name, _, hi in g.symbols}
     for t, k in enumerate(kg.kernels):
         o = k.output
         n = g.nodes[o]
         elems = numel(n.shape)
         if o in outputs:
-            out_bytes += _bytes(elems, n.dtype)
+            out_bytes += _bytes(elems, n.dtype, env)
             continue
-        naive += _bytes(elems, n.dtype)
+        naive += _bytes(elems, n.dtype, env)
         end = last_use.get(o, t)
         choice = None
         for s, slot in enumerate(slots):
@@ -65,7 +63,7 @@ def plan_memory(kg: KernelGraph) -> MemoryPlan:
         else:
             free_at[choice] = end
         node_slot[o] = choice
-    peak = sum(_bytes(s.elements, s.dtype) for s in slots) + out_bytes
+    peak = sum(_bytes(s.elements, s.dtype, env) for s in slots) + out_bytes
     return MemoryPlan(tuple(slots), node_slot, peak, naive + out_bytes)
 
 

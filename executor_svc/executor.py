@@ -24,7 +24,7 @@ from kiln.errors import FailedPrecondition, InvalidArgument, NotFound
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import TensorSpec
 from kiln.ir.serialize import dtype_from_pb, tensor_spec_from_pb
-from kiln.ir.shape import format_shape
+from kiln.ir.shape import Sym, evaluate_dim, format_shape
 from kiln.store import BlobStore
 from kiln.telemetry import span
 from kiln.v1 import ir_pb2
@@ -73,6 +73,7 @@ class Session:
     outputs: tuple[TensorSpec, ...]
     weights: tuple[np.ndarray, ...]
     lock: threading.Lock
+    symbols: tuple[tuple[str, int, int], ...] = ()
 
 
 class Executor:
@@ -108,7 +109,8 @@ class Executor:
                 self.sessions[sid] = Session(sid, bundle_d, getattr(mod, bundle.entry),
                                              tuple(tensor_spec_from_pb(t) for t in bundle.inputs),
                                              tuple(tensor_spec_from_pb(t) for t in bundle.outputs),
-                                             tuple(weights), threading.Lock())
+                                             tuple(weights), threading.Lock(),
+                                             tuple((s.name, s.min, s.max) for s in bundle.symbols))
             return sid
 
     def session(self, sid: str) -> Session:
@@ -122,21 +124,24 @@ class Executor:
 
     def run(self, sid: str, inputs: Sequence[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:
         s = self.session(sid)
-        args = check_inputs(s.inputs, inputs)
+        args, env = check_inputs(s.inputs, inputs, s.symbols)
+        sym_args = [np.int64(env[name]) for name, _, _ in s.symbols]
         with span("executor.run", **{"kiln.session": sid, "kiln.bundle": str(s.bundle)}):
             with s.lock:  # buffers in the entry are per call, but numba's first call compiles
-                outs = s.entry(*args, *s.weights)
-        return [(spec.name, np.asarray(o).reshape(tuple(int(d) for d in spec.shape)))
+                outs = s.entry(*args, *s.weights, *sym_args)
+        return [(spec.name, np.asarray(o).reshape(tuple(evaluate_dim(d, env) for d in spec.shape)))
                 for spec, o in zip(s.outputs, outs)]
 
 
-def check_inputs(specs: Sequence[TensorSpec], inputs: Sequence[tuple[str, np.ndarray]]) -> list[np.ndarray]:
-    """Match inputs to the signature (by name, or by position when unnamed); flat contiguous arrays."""
+def check_inputs(specs: Sequence[TensorSpec], inputs: Sequence[tuple[str, np.ndarray]],
+                 symbols: Sequence[tuple[str, int, int]] = ()) -> tuple[list[np.ndarray], dict[str, int]]:
+    """Match inputs to the signature (by name, or by position when unnamed), bind the symbolic
+    dims from their shapes; flat contiguous arrays and the bindings."""
     if len(inputs) != len(specs):
         raise InvalidArgument(f"expected {len(specs)} inputs ({', '.join(s.name for s in specs)}), got {len(inputs)}")
     named = all(n for n, _ in inputs)
     by_name = dict(inputs) if named else {}
-    out = []
+    out, arrays = [], []
     for i, spec in enumerate(specs):
         if named:
             if spec.name not in by_name:
@@ -150,8 +155,28 @@ def check_inputs(specs: Sequence[TensorSpec], inputs: Sequence[tuple[str, np.nda
             dt = None
         if dt is not spec.dtype:
             raise InvalidArgument(f"input {spec.name!r}: expected dtype {spec.dtype.value}, got {a.dtype}")
-        if tuple(a.shape) != tuple(spec.shape):
+        if len(a.shape) != len(spec.shape):
             raise InvalidArgument(f"input {spec.name!r}: expected shape {format_shape(spec.shape)}, "
                                   f"got {list(a.shape)}")
+        arrays.append((spec, a))
         out.append(np.ascontiguousarray(a).reshape(-1))
-    return out
+    env: dict[str, int] = {}
+    for spec, a in arrays:  # a dim that is one symbol binds it
+        for d, actual in zip(spec.shape, a.shape):
+            if isinstance(d, Sym) and len(d.terms) == 1 and d.terms[0][1] == 1 and len(d.terms[0][0]) == 1:
+                env.setdefault(d.terms[0][0][0], int(actual))
+    ranges = {name: (lo, hi) for name, lo, hi in symbols}
+    for name, value in env.items():
+        lo, hi = ranges.get(name, (0, 1 << 62))
+        if not lo <= value <= hi:
+            raise InvalidArgument(f"dim {name} = {value} is outside the range the bundle was compiled for "
+                                  f"[{lo}, {hi}]")
+    for spec, a in arrays:
+        try:
+            want = tuple(evaluate_dim(d, env) for d in spec.shape)
+        except KeyError:
+            want = None
+        if want != tuple(a.shape):
+            raise InvalidArgument(f"input {spec.name!r}: expected shape {format_shape(spec.shape)}, "
+                                  f"got {list(a.shape)}")
+    return out, env

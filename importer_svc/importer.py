@@ -18,7 +18,7 @@ from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph, prune
 from kiln.ir.serialize import dtype_to_pb, graph_to_pb
-from kiln.ir.shape import format_shape
+from kiln.ir.shape import format_shape, from_sympy
 from kiln.store import BlobStore
 from kiln.telemetry import span
 from kiln.v1 import ir_pb2
@@ -92,6 +92,8 @@ def lower_program(ep: torch.export.ExportedProgram) -> tuple[Graph, dict[str, to
     def lookup(a):
         if isinstance(a, torch.fx.Node):
             return env[a.name]
+        if isinstance(a, torch.SymInt):
+            return _dim(a, "an argument")
         if isinstance(a, (list, tuple)):
             return type(a)(lookup(x) for x in a)
         return a
@@ -108,7 +110,7 @@ def lower_program(ep: torch.export.ExportedProgram) -> tuple[Graph, dict[str, to
             if not isinstance(val, torch.Tensor):
                 raise FailedPrecondition(f"input {node.name!r} is a {type(val).__name__}; kiln takes tensors and "
                                          "constant Python scalars only")
-            shape = _static(val.shape, node)
+            shape = _dims(val.shape, node)
             dtype = DType.from_torch(val.dtype)
             if node.name in weight_of:
                 name = weight_of[node.name]
@@ -147,21 +149,31 @@ def lower_program(ep: torch.export.ExportedProgram) -> tuple[Graph, dict[str, to
     from torch.utils import _pytree as pytree
 
     tree = pytree.treespec_dumps(ep.call_spec.out_spec) if ep.call_spec.out_spec is not None else ""
-    graph = prune(b.build(outputs, user_outputs, tree))
+    graph = prune(b.build(outputs, user_outputs, tree, _symbol_ranges(ep)))
     return graph, tensors
 
 
-def _static(shape, node) -> tuple[int, ...]:
-    dims = []
-    for d in shape:
-        if not isinstance(d, int):
-            try:
-                d = int(d)
-            except Exception as e:
-                raise FailedPrecondition(f"symbolic dim {d} of {node.name!r}: dynamic shapes are not supported "
-                                         "yet; export with static shapes") from e
-        dims.append(d)
-    return tuple(dims)
+def _symbol_ranges(ep) -> tuple[tuple[str, int, int], ...]:
+    out = []
+    for sym, vr in ep.range_constraints.items():
+        if getattr(sym, "is_Symbol", False):
+            lo = int(vr.lower) if vr.lower.is_finite else 0
+            hi = int(vr.upper) if vr.upper.is_finite else (1 << 31) - 1
+            out.append((sym.name, lo, hi))
+    return tuple(sorted(out))
+
+
+def _dim(d, what: str):
+    if isinstance(d, int):
+        return d
+    try:
+        return from_sympy(d.node.expr)
+    except (AttributeError, ValueError) as e:
+        raise FailedPrecondition(f"symbolic dim {d} of {what} is not a polynomial of the input dims") from e
+
+
+def _dims(shape, node) -> tuple:
+    return tuple(_dim(d, repr(node.name)) for d in shape)
 
 
 def _check_meta(b: GraphBuilder, node, result) -> None:
@@ -176,10 +188,10 @@ def _check_meta(b: GraphBuilder, node, result) -> None:
     for v, r in zip(vals, results):
         if not isinstance(v, torch.Tensor) or r is None:
             continue
-        want = _static(v.shape, node)
+        want = _dims(v.shape, node)
         if tuple(b.shape(r)) != want or b.dtype(r) is not DType.from_torch(v.dtype):
             raise AssertionError(f"lowering of {node.target} gave {b.dtype(r).value}{format_shape(b.shape(r))}, "
-                                 f"torch says {v.dtype}{list(want)}")
+                                 f"torch says {v.dtype}{format_shape(want)}")
 
 
 def import_program(store: BlobStore, program: Digest) -> ImportResult:

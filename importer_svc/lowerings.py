@@ -368,7 +368,9 @@ def _resolve_shape(old, new):
         total = 1
         for d in old:
             total = d * total
-        new[new.index(-1)] = total // known
+        from kiln.ir.shape import dim_floordiv
+
+        new[new.index(-1)] = dim_floordiv(total, known)
     return tuple(new)
 
 
@@ -426,9 +428,13 @@ def lower_slice(b, node, x, dim=0, start=None, end=None, step=1):
     dim = dim % len(shape)
     n = shape[dim]
     start = 0 if start is None else start
-    end = n if end is None else end
-    start = max(0, min(n, start + n if start < 0 else start))
-    end = max(start, min(n, end + n if end < 0 else end))
+    end = n if end is None or (isinstance(end, int) and end >= 1 << 62) else end
+    if isinstance(n, int) and isinstance(start, int) and isinstance(end, int):
+        start = max(0, min(n, start + n if start < 0 else start))
+        end = max(start, min(n, end + n if end < 0 else end))
+    else:  # symbolic: torch already checked the bounds; only wrap negative literals
+        start = start + n if isinstance(start, int) and start < 0 else start
+        end = end + n if isinstance(end, int) and end < 0 else end
     return b.view(x, views.slice_(shape, dim, start, end, step))
 
 
@@ -501,7 +507,10 @@ def lower_to_copy(b, node, x, **_):
 
 
 def _static_shape(node):
-    return tuple(int(d) for d in node.meta["val"].shape)
+    """The node's output shape from its meta, symbolic dims as Dims."""
+    from kiln.ir.shape import from_sympy
+
+    return tuple(d if isinstance(d, int) else from_sympy(d.node.expr) for d in node.meta["val"].shape)
 
 
 @register_lowering(aten.full.default)
@@ -761,3 +770,32 @@ def lower_sdpa(b, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
 @register_lowering(aten.gather.default)
 def lower_gather(b, node, x, dim, index, sparse_grad=False):
     return b.gather(x, b.cast(index, DType.I64), dim % len(b.shape(x)))
+
+
+# ---- symbolic sizes (dynamic shapes): dims flow between nodes as Python values ----
+
+@register_lowering(aten.sym_size.int)
+def lower_sym_size(b, node, x, dim):
+    return b.shape(x)[dim]
+
+
+@register_lowering(operator.mul)
+def lower_dim_mul(b, node, x, y):
+    return x * y
+
+
+@register_lowering(operator.add)
+def lower_dim_add(b, node, x, y):
+    return x + y
+
+
+@register_lowering(operator.sub)
+def lower_dim_sub(b, node, x, y):
+    return x - y
+
+
+@register_lowering(operator.floordiv)
+def lower_dim_floordiv(b, node, x, y):
+    from kiln.ir.shape import dim_floordiv
+
+    return dim_floordiv(x, y)

@@ -203,8 +203,9 @@ class CompiledModule:
 
 
 def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, *, search: bool = True,
-            target: str = "cpu", pipeline: Optional[Pipeline] = None) -> CompiledModule:
-    """Compile an nn.Module for the example inputs' shapes; returns a callable with its signature."""
+            target: str = "cpu", pipeline: Optional[Pipeline] = None, dynamic_shapes=None) -> CompiledModule:
+    """Compile an nn.Module for the example inputs' shapes, or for every shape `dynamic_shapes`
+    (torch.export's argument, with torch.export.Dim) allows; returns a callable with its signature."""
     import torch
 
     pipeline = pipeline or Pipeline()
@@ -213,7 +214,7 @@ def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, 
         with span("kiln.export"):
             try:
                 ep = torch.export.export(module.eval() if hasattr(module, "eval") else module,
-                                         tuple(example_args), example_kwargs or {})
+                                         tuple(example_args), example_kwargs or {}, dynamic_shapes=dynamic_shapes)
             except Exception as e:
                 raise errors.FailedPrecondition(f"torch.export failed: {type(e).__name__}: {e}") from e
         program = pipeline.upload_program(ep)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from kiln.ir.graph import Graph
 from kiln.ir.kernel import Kernel, KernelGraph, broadcasts, gemm_axes, view_root
 from kiln.ir.ops import GroupOp, Op
-from kiln.ir.shape import numel
+from kiln.ir.shape import evaluate_dim, numel
 from kiln.ir.view import ViewSpec
 
 PARALLEL_MIN_ELEMENTS = 1 << 15  # below this a parallel loop costs more than it saves
@@ -50,14 +50,16 @@ def partition(g: Graph, fuse: bool = True) -> KernelGraph:
     for i in gemms:  # the Mul under a GEMM is computed by the GEMM, never materialized
         materialize[g.nodes[i].inputs[0]] = False
     kernels = []
+    largest = {name: hi for name, _, hi in g.symbols}  # size the schedule for the largest binding
     for i, node in enumerate(g.nodes):
         if not materialize[i] or node.op in (Op.INPUT, Op.WEIGHT):
             continue
         inside, reads = _collect(g, i, materialize, stop_at_mul=i in gemms)
         kind = ("gemm" if i in gemms else "reduce" if node.op in GroupOp.Reduce else
                 "gather" if node.op is Op.GATHER else "scatter" if node.op is Op.SCATTER else "elementwise")
-        total = numel(g.nodes[node.inputs[0]].shape if node.op in GroupOp.Reduce else node.shape)
-        parallel = isinstance(total, int) and total >= PARALLEL_MIN_ELEMENTS and kind in ("elementwise", "reduce")
+        total = evaluate_dim(numel(g.nodes[node.inputs[0]].shape if node.op in GroupOp.Reduce else node.shape),
+                             largest)
+        parallel = total >= PARALLEL_MIN_ELEMENTS and kind in ("elementwise", "reduce")
         kernels.append(Kernel(f"k{len(kernels)}_{kind}", kind, tuple(inside), i, tuple(reads), parallel))
     return KernelGraph(g, tuple(kernels))
 

@@ -277,7 +277,7 @@ def _extract(g: Graph, enc: _Encoder, ser: dict) -> Graph:
         if cls is None:
             raise RuntimeError(f"output %{o} lost its e-class during saturation")
         outputs.append(build(cls))
-    return b.build(outputs, g.output_names, g.output_tree)
+    return b.build(outputs, g.output_names, g.output_tree, g.symbols)
 
 
 def _rebuild(b: GraphBuilder, enc: _Encoder, shapes, n: dict, nodes: dict, kids: list[int]) -> int:

@@ -123,9 +123,9 @@ class GraphBuilder:
     def scatter(self, dst: int, index: int, src: int, axis: int) -> int:
         return self._add(Node(Op.SCATTER, (dst, index, src), self.shape(dst), self.dtype(dst), axis=axis))
 
-    def build(self, outputs, output_names=(), output_tree="") -> Graph:
+    def build(self, outputs, output_names=(), output_tree="", symbols=()) -> Graph:
         g = Graph(tuple(self.nodes), tuple(self.inputs), tuple(self.weights), tuple(outputs),
-                  tuple(output_names), output_tree)
+                  tuple(output_names), output_tree, tuple(symbols))
         validate(g)
         return g
 

@@ -44,6 +44,8 @@ class Graph:
     output_names: tuple[str, ...] = ()
     # pytree structure of the module's outputs, as torch's treespec string (opaque to kiln)
     output_tree: str = ""
+    # symbolic dims: (name, min, max), sorted by name
+    symbols: tuple[tuple[str, int, int], ...] = ()
 
     def consumers(self) -> list[list[int]]:
         users: list[list[int]] = [[] for _ in self.nodes]
@@ -128,4 +130,4 @@ def prune(g: Graph) -> Graph:
             nodes.append(Node(n.op, tuple(new_id[j] for j in n.inputs), n.shape, n.dtype, n.name, n.value,
                               n.view, n.axis, n.source))
     return Graph(tuple(nodes), g.inputs, g.weights, tuple(new_id[o] for o in g.outputs), g.output_names,
-                 g.output_tree)
+                 g.output_tree, g.symbols)

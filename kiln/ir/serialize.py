@@ -94,6 +94,8 @@ def graph_to_pb(g: Graph) -> ir_pb2.Graph:
     out.outputs.extend(g.outputs)
     out.output_names.extend(g.output_names)
     out.output_tree = g.output_tree
+    for name, lo, hi in g.symbols:
+        out.symbols.add(name=name, min=lo, max=hi)
     return out
 
 
@@ -110,6 +112,6 @@ def graph_from_pb(p: ir_pb2.Graph) -> Graph:
                           view_from_pb(n.view) if op is Op.VIEW else None, n.axis, n.source))
     g = Graph(tuple(nodes), tuple(tensor_spec_from_pb(t) for t in p.inputs),
               tuple(tensor_spec_from_pb(t) for t in p.weights), tuple(p.outputs), tuple(p.output_names),
-              p.output_tree)
+              p.output_tree, tuple((s.name, s.min, s.max) for s in p.symbols))
     validate(g)
     return g

@@ -61,6 +61,31 @@ class Sym:
     def __rsub__(self, other: "Dim") -> "Dim":
         return (-1 * self) + other
 
+    def __floordiv__(self, other: "Dim") -> "Dim":
+        """Exact division by an int or a single-term dim; anything else is not a polynomial."""
+        if isinstance(other, Sym):
+            if len(other.terms) != 1:
+                raise ValueError(f"cannot divide {self} by {other}")
+            (mono, coeff), = other.terms
+        else:
+            mono, coeff = (), int(other)
+        acc: dict[Monomial, int] = {}
+        for m, c in self.terms:
+            rest = list(m)
+            for sym in mono:
+                if sym not in rest:
+                    raise ValueError(f"{self} is not divisible by {other}")
+                rest.remove(sym)
+            if c % coeff:
+                raise ValueError(f"{self} is not divisible by {other}")
+            acc[tuple(rest)] = acc.get(tuple(rest), 0) + c // coeff
+        return Sym._make(acc)
+
+    def __rfloordiv__(self, other: "Dim") -> "Dim":
+        if isinstance(other, int) and other == 0:
+            return 0
+        raise ValueError(f"cannot divide {other} by the symbolic {self}")
+
     def symbols(self) -> set[str]:
         return {s for m, _ in self.terms for s in m}
 
@@ -127,3 +152,32 @@ def evaluate_dim(d: Dim, env: Mapping[str, int]) -> int:
 
 def format_shape(shape: Shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def dim_floordiv(a: Dim, b: Dim) -> Dim:
+    if isinstance(a, int) and isinstance(b, int):
+        return a // b
+    if isinstance(a, int):
+        return Sym._make({(): a}) // b if a else 0
+    return a // b
+
+
+def from_sympy(expr) -> Dim:
+    """A torch SymInt's sympy expression as a Dim; only integer polynomials are dims."""
+    import sympy
+
+    expr = sympy.expand(expr)
+    if expr.is_Integer:
+        return int(expr)
+    syms = sorted(expr.free_symbols, key=lambda s: s.name)
+    try:
+        poly = sympy.Poly(expr, *syms)
+    except sympy.PolynomialError as e:
+        raise ValueError(f"symbolic dim {expr} is not a polynomial in its symbols") from e
+    acc: dict[Monomial, int] = {}
+    for powers, coeff in poly.terms():
+        if not coeff.is_Integer:
+            raise ValueError(f"symbolic dim {expr} has a non-integer coefficient")
+        mono = tuple(sorted(name for sym, p in zip(syms, powers) for name in [sym.name] * p))
+        acc[mono] = int(coeff)
+    return Sym._make(acc)

@@ -77,8 +77,12 @@ def expand(src: Shape, new: Shape) -> ViewSpec:
 
 
 def slice_(src: Shape, dim: int, start: int, stop: int, step: int) -> ViewSpec:
+    from kiln.ir.shape import dim_floordiv
+
     st = contiguous_strides(src)
-    n = max(0, (stop - start + step - 1) // step)
+    n = stop - start if step == 1 else dim_floordiv(stop - start + step - 1, step)
+    if isinstance(n, int):
+        n = max(0, n)
     shape = list(src)
     shape[dim] = n
     strides = list(st)
