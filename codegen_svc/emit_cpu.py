@@ -315,9 +315,7 @@ class _KernelWriter:
         src_shape = self.g.nodes[src].shape
         lines, idx, depth = self.loops(n.shape)
         pad = "    " * depth
-        lines.append(pad + f"j = np.int64({self.value(index, tuple(idx))})")
-        lines.append(pad + f"if j < 0:")
-        lines.append(pad + f"    j += {_d(src_shape[n.axis])}")
+        lines += _checked_index(pad, self.value(index, tuple(idx)), src_shape[n.axis], "Gather")
         sidx = list(idx)
         sidx[n.axis] = "j"
         lines.append(pad + f"out[{self.flat(n.shape, idx)}] = {self.value(src, tuple(sidx))}")
@@ -332,13 +330,18 @@ class _KernelWriter:
         loops, sidx, d2 = self.loops(src_shape)
         lines += loops
         pad = "    " * d2
-        lines.append(pad + f"j = np.int64({self.value(index, tuple(sidx))})")
-        lines.append(pad + f"if j < 0:")
-        lines.append(pad + f"    j += {_d(n.shape[n.axis])}")
+        lines += _checked_index(pad, self.value(index, tuple(sidx)), n.shape[n.axis], "Scatter")
         oidx = list(sidx)
         oidx[n.axis] = "j"
         lines.append(pad + f"out[{self.flat(n.shape, oidx)}] = {self.value(src, tuple(sidx))}")
         return lines
+
+
+def _checked_index(pad: str, expr: str, size, op: str) -> list[str]:
+    """`j` = a data-dependent index; outside [0, size) raises (as torch does), never reads out of bounds."""
+    return [pad + f"j = np.int64({expr})",
+            pad + f"if j < 0 or j >= {_d(size)}:",
+            pad + f"    raise IndexError('{op} index out of range')"]
 
 
 def _syms(dims) -> set[str]:

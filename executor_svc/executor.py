@@ -128,7 +128,10 @@ class Executor:
         sym_args = [np.int64(env[name]) for name, _, _ in s.symbols]
         with span("executor.run", **{"kiln.session": sid, "kiln.bundle": str(s.bundle)}):
             with s.lock:  # buffers in the entry are per call, but numba's first call compiles
-                outs = s.entry(*args, *s.weights, *sym_args)
+                try:
+                    outs = s.entry(*args, *s.weights, *sym_args)
+                except IndexError as e:  # raised by generated Gather/Scatter bounds checks
+                    raise InvalidArgument(f"an input holds an out-of-range index: {e}") from e
         return [(spec.name, np.asarray(o).reshape(tuple(evaluate_dim(d, env) for d in spec.shape)))
                 for spec, o in zip(s.outputs, outs)]
 

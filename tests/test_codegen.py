@@ -50,3 +50,14 @@ def test_nan_and_inf_propagate_as_torch(local_pipeline):
     compiled = kiln.compile(Fn(fn), (x,), pipeline=local_pipeline)
     for got, want in zip(compiled(x), fn(x)):
         assert torch.allclose(got, want, equal_nan=True, rtol=1e-5, atol=1e-6), (got, want)
+
+
+def test_out_of_range_index_is_invalid_argument_not_a_bad_read(local_pipeline):
+    from kiln.errors import InvalidArgument
+
+    table = torch.randn(10, 4)
+    compiled = kiln.compile(Fn(lambda i: F.embedding(i, table)), (torch.tensor([1, 2]),), pipeline=local_pipeline)
+    assert torch.equal(compiled(torch.tensor([9, 0])), table[[9, 0]])
+    for bad in ([3, 10], [-1, 2]):  # torch raises IndexError for both
+        with pytest.raises(InvalidArgument, match="out-of-range index"):
+            compiled(torch.tensor(bad))

@@ -87,12 +87,20 @@ def _eval_node(n: Node, a: list[np.ndarray], inputs, weights, env) -> np.ndarray
         ar = np.arange(shape[n.axis], dtype=dt).reshape([-1 if k == n.axis else 1 for k in range(len(shape))])
         return np.broadcast_to(ar, shape).copy()
     if op is Op.GATHER:
-        return np.take_along_axis(a[0], a[1].astype(np.int64), axis=n.axis)
+        return np.take_along_axis(a[0], _checked(a[1], a[0].shape[n.axis]), axis=n.axis)
     if op is Op.SCATTER:
         out = a[0].copy()
-        np.put_along_axis(out, a[1].astype(np.int64), a[2], axis=n.axis)
+        np.put_along_axis(out, _checked(a[1], out.shape[n.axis]), a[2], axis=n.axis)
         return out
     raise NotImplementedError(op)
+
+
+def _checked(index: np.ndarray, size: int) -> np.ndarray:
+    """Gather/Scatter indices must lie in [0, size): no wrapping, as in torch.gather."""
+    index = index.astype(np.int64)
+    if index.size and (index.min() < 0 or index.max() >= size):
+        raise IndexError(f"index out of range [0, {size})")
+    return index
 
 
 __all__ = ["evaluate", "apply_view", "numel"]
