@@ -144,6 +144,8 @@ def gelu_tanh(b, x):
 
 def reduce_axes(b, op: Op, x: int, axes, keepdim: bool) -> int:
     rank = len(b.shape(x))
+    if rank == 0:  # torch reduces a 0-d tensor over dim 0 / -1 to itself
+        return x
     axes = sorted({a % rank for a in axes}) if axes else list(range(rank))
     for a in axes:
         x = b.reduce(op, x, a)
@@ -155,6 +157,8 @@ def reduce_axes(b, op: Op, x: int, axes, keepdim: bool) -> int:
 def mean(b, x, axes, keepdim):
     shape = b.shape(x)
     rank = len(shape)
+    if rank == 0:
+        return x
     axes_n = sorted({a % rank for a in axes}) if axes else list(range(rank))
     n = 1
     for a in axes_n:

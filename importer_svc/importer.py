@@ -13,7 +13,7 @@ from importer_svc.lowerings import KEEP_UNDECOMPOSED, LOWERINGS
 from importer_svc.safe_load import load_program
 from kiln import cache
 from kiln.digest import Digest
-from kiln.errors import FailedPrecondition, InvalidArgument, NotFound
+from kiln.errors import FailedPrecondition, InvalidArgument, KilnError, NotFound
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph, prune
@@ -136,6 +136,11 @@ def lower_program(ep: torch.export.ExportedProgram) -> tuple[Graph, dict[str, to
             except NotImplementedError as e:
                 raise FailedPrecondition(f"ATen op {node.target} is not supported with these arguments: {e} "
                                          f"(used at {source_of(node)})") from e
+            except (KilnError, AssertionError):
+                raise
+            except Exception as e:  # a bug in a lowering: INTERNAL, with the op that hit it
+                raise KilnError(f"internal error lowering {node.target} (used at {source_of(node)}): "
+                                f"{type(e).__name__}: {e}") from e
             _check_meta(b, node, result)
             env[node.name] = result
         elif node.op == "output":

@@ -621,6 +621,8 @@ def lower_cumsum(b, node, x, dim, dtype=None):
     x = _to(b, x, out_dtype(node))
     shape = b.shape(x)
     rank = len(shape)
+    if rank == 0:
+        return x
     dim = dim % rank
     perm = [d for d in range(rank) if d != dim] + [dim]
     xt = b.permute(x, perm) if dim != rank - 1 else x
