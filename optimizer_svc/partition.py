@@ -54,7 +54,7 @@ def partition(g: Graph, fuse: bool = True) -> KernelGraph:
     for i, node in enumerate(g.nodes):
         if not materialize[i] or node.op in (Op.INPUT, Op.WEIGHT):
             continue
-        inside, reads = _collect(g, i, materialize, stop_at_mul=i in gemms)
+        inside, reads = _collect(g, i, materialize)
         kind = ("gemm" if i in gemms else "reduce" if node.op in GroupOp.Reduce else
                 "gather" if node.op is Op.GATHER else "scatter" if node.op is Op.SCATTER else "elementwise")
         total = evaluate_dim(numel(g.nodes[node.inputs[0]].shape if node.op in GroupOp.Reduce else node.shape),
@@ -80,7 +80,7 @@ def _readers(g: Graph, users, i: int) -> list[tuple[int, bool]]:
     return out
 
 
-def _collect(g: Graph, root: int, materialize, stop_at_mul: bool):
+def _collect(g: Graph, root: int, materialize):
     inside, reads, seen = [], [], set()
 
     def visit(j: int, top: bool):
