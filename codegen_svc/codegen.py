@@ -12,7 +12,7 @@ from kiln.telemetry import span
 from kiln.v1 import ir_pb2
 from codegen_svc.emit_cpu import emit_cpu
 
-STAGE_VERSION = "codegen-1"
+STAGE_VERSION = "codegen-1-" + cache.code_version("codegen_svc", "kiln.ir")
 TARGETS = ("cpu",)
 
 

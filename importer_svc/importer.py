@@ -23,7 +23,7 @@ from kiln.store import BlobStore
 from kiln.telemetry import span
 from kiln.v1 import ir_pb2
 
-STAGE_VERSION = "importer-1"
+STAGE_VERSION = "importer-1-" + cache.code_version("importer_svc", "kiln.ir")
 
 
 @dataclass(frozen=True)

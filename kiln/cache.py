@@ -35,3 +35,21 @@ def record(store: BlobStore, key: str, outputs: Mapping[str, Digest]) -> None:
     for k, v in outputs.items():
         rec.outputs[k].CopyFrom(v.to_pb())
     store.put_action(key, store.put_message(rec))
+
+
+def code_version(*packages: str) -> str:
+    """A fingerprint of the source of the packages a stage's result depends on, so a changed
+    lowering, rule or emitter never reuses results cached by older code."""
+    import hashlib
+    import importlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    for name in packages:
+        root = Path(importlib.import_module(name).__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            if "v1" in path.relative_to(root).parts:  # generated protobuf code
+                continue
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]

@@ -17,7 +17,7 @@ from kiln.v1 import ir_pb2, services_pb2
 from optimizer_svc.partition import partition
 from optimizer_svc.search import SearchLimits, SearchReport, saturate
 
-STAGE_VERSION = "optimizer-1"
+STAGE_VERSION = "optimizer-1-" + cache.code_version("optimizer_svc", "kiln.ir")
 MAX_ITERATIONS_CAP = 1000
 MAX_ENODES_CAP = 5_000_000
 
