@@ -234,12 +234,11 @@ class _KernelWriter:
     def emit_gemm(self):
         r = self.g.nodes[self.k.output]
         mul = self.g.nodes[r.inputs[0]]
-        ra, sa, rb, sb = gemm_axes(self.g, self.k.output)
+        gm = gemm_axes(self.g, self.k.output)
+        ra, sa, rb, sb = gm.a_root, gm.a_spec, gm.b_root, gm.b_spec
+        m_axes, n_axes, b_axes = list(gm.m_axes), list(gm.n_axes), list(gm.batch_axes)
         F = mul.shape
         k = r.axis
-        m_axes = [j for j, d in enumerate(F) if j != k and d != 1 and sa.strides[j] != 0 and sb.strides[j] == 0]
-        n_axes = [j for j, d in enumerate(F) if j != k and d != 1 and sa.strides[j] == 0 and sb.strides[j] != 0]
-        b_axes = [j for j, d in enumerate(F) if j != k and d != 1 and sa.strides[j] != 0 and sb.strides[j] != 0]
         prod = lambda axes: numel(tuple(F[j] for j in axes))
         Bt, Mt, Nt, K = prod(b_axes), prod(m_axes), prod(n_axes), F[k]
         lines = []

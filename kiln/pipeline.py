@@ -162,12 +162,18 @@ class CompiledModule:
     """A compiled nn.Module: call it with the module's arguments, get its output structure."""
 
     def __init__(self, pipeline: Pipeline, result: CompileResult, session: str, in_spec):
+        from torch.utils import _pytree as pytree
+
+        from kiln.v1 import ir_pb2
+
         self.pipeline = pipeline
         self.result = result
         self.session = session
         self._in_spec = in_spec
+        bundle = pipeline.store.get_message(result.bundle, ir_pb2.Bundle)
         # tensor inputs in placeholder order; export specialized non-tensor arguments away
-        self._input_names = [t.name for t in self._bundle().inputs]
+        self._input_names = [t.name for t in bundle.inputs]
+        self._out_tree = pytree.treespec_loads(bundle.output_tree) if bundle.output_tree else None
 
     def __call__(self, *args, **kwargs):
         import torch
@@ -184,22 +190,7 @@ class CompiledModule:
         with span("kiln.call", **{"kiln.session": self.session}):
             outs = self.pipeline.run(self.session, inputs)
         result = [torch.from_numpy(np.ascontiguousarray(a)) for _, a in outs]
-        tree = self.pipeline_output_tree
-        return pytree.tree_unflatten(result, tree) if tree is not None else tuple(result)
-
-    @property
-    def pipeline_output_tree(self):
-        from torch.utils import _pytree as pytree
-
-        bundle = self._bundle()
-        return pytree.treespec_loads(bundle.output_tree) if bundle.output_tree else None
-
-    def _bundle(self):
-        if not hasattr(self, "_bundle_pb"):
-            from kiln.v1 import ir_pb2
-
-            self._bundle_pb = self.pipeline.store.get_message(self.result.bundle, ir_pb2.Bundle)
-        return self._bundle_pb
+        return pytree.tree_unflatten(result, self._out_tree) if self._out_tree is not None else tuple(result)
 
 
 def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, *, search: bool = True,

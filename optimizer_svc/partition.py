@@ -12,7 +12,6 @@ from kiln.ir.graph import Graph
 from kiln.ir.kernel import Kernel, KernelGraph, broadcasts, gemm_axes, view_root
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import evaluate_dim, numel
-from kiln.ir.view import ViewSpec
 
 PARALLEL_MIN_ELEMENTS = 1 << 15  # below this a parallel loop costs more than it saves
 
@@ -36,7 +35,7 @@ def partition(g: Graph, fuse: bool = True) -> KernelGraph:
             ga = gemm_axes(g, i)
             if ga is not None and len(users[node.inputs[0]]) == 1:
                 gemms[i] = ga
-                materialize[ga[0]] = materialize[ga[2]] = True
+                materialize[ga.a_root] = materialize[ga.b_root] = True
     for i, node in enumerate(g.nodes):
         if node.op in (Op.CONSTANT, Op.VIEW) or materialize[i]:
             continue

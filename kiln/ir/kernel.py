@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from kiln.ir.graph import Graph
 from kiln.ir.ops import Op
@@ -23,6 +24,22 @@ class Kernel:
 class KernelGraph:
     graph: Graph
     kernels: tuple[Kernel, ...]
+
+
+KERNEL_KINDS = ("elementwise", "reduce", "gemm", "gather", "scatter")
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """A SumReduce of a broadcast Mul read as a GEMM: operand roots, their composed views, and
+    the Mul's axes classified as M (only A varies), N (only B varies) and batch (both vary)."""
+    a_root: int
+    a_spec: ViewSpec
+    b_root: int
+    b_spec: ViewSpec
+    m_axes: tuple[int, ...]
+    n_axes: tuple[int, ...]
+    batch_axes: tuple[int, ...]
 
 
 def view_root(g: Graph, i: int) -> tuple[int, list[ViewSpec]]:
@@ -47,8 +64,8 @@ def broadcasts(v: ViewSpec) -> bool:
     return any(st == 0 and d != 1 for d, st in zip(v.shape, v.strides))
 
 
-def gemm_axes(g: Graph, reduce_id: int):
-    """(a_root, a_spec, b_root, b_spec) when reduce_id is a GEMM, else None."""
+def gemm_axes(g: Graph, reduce_id: int) -> Optional[Gemm]:
+    """The GEMM that reduce_id computes, or None when it is not one."""
     r = g.nodes[reduce_id]
     if r.op is not Op.SUM_REDUCE or not r.dtype.is_float:
         return None
@@ -66,14 +83,14 @@ def gemm_axes(g: Graph, reduce_id: int):
     k = r.axis
     if sa.strides[k] == 0 or sb.strides[k] == 0:
         return None
-    m_axes = [j for j, d in enumerate(m.shape) if j != k and d != 1 and sa.strides[j] != 0 and sb.strides[j] == 0]
-    n_axes = [j for j, d in enumerate(m.shape) if j != k and d != 1 and sa.strides[j] == 0 and sb.strides[j] != 0]
-    both0 = [j for j, d in enumerate(m.shape) if j != k and d != 1 and sa.strides[j] == 0 and sb.strides[j] == 0]
-    if both0 or not (m_axes or n_axes):
+    axes = {(True, False): [], (False, True): [], (True, True): [], (False, False): []}
+    for j, d in enumerate(m.shape):
+        if j != k and d != 1:
+            axes[(sa.strides[j] != 0, sb.strides[j] != 0)].append(j)
+    m_axes, n_axes = axes[(True, False)], axes[(False, True)]
+    if axes[(False, False)] or not (m_axes or n_axes):
         return None
-    return ra, sa, rb, sb
-
-
+    return Gemm(ra, sa, rb, sb, tuple(m_axes), tuple(n_axes), tuple(axes[(True, True)]))
 
 
 def kernel_graph_to_pb(kg: KernelGraph, source_graph=None):
@@ -100,6 +117,3 @@ def kernel_graph_from_pb(p) -> KernelGraph:
             raise ValueError(f"kernel {k.name!r} is malformed (unknown kind or node out of range)")
         kernels.append(Kernel(k.name, k.kind, tuple(k.nodes), k.output, tuple(k.reads), k.parallel))
     return KernelGraph(g, tuple(kernels))
-
-
-KERNEL_KINDS = ("elementwise", "reduce", "gemm", "gather", "scatter")
