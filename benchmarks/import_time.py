@@ -21,9 +21,9 @@ def models():
     ids = torch.randint(0, 1000, (1, 32))
     yield "tiny Llama (2 layers, hidden 128)", ModelOutputTensor(LlamaForCausalLM(LlamaConfig(
         vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2)).eval()), (), {"input_ids": ids, "use_cache": False}
+        num_key_value_heads=2)).eval()), (), {"input_ids": ids}
     yield "tiny GPT-2 (2 layers, hidden 128)", ModelOutputTensor(GPT2LMHeadModel(GPT2Config(
-        vocab_size=1000, n_embd=128, n_layer=2, n_head=4)).eval()), (), {"input_ids": ids, "use_cache": False}
+        vocab_size=1000, n_embd=128, n_layer=2, n_head=4)).eval()), (), {"input_ids": ids}
     yield "tiny BERT (2 layers, hidden 128)", ModelOutputTensor(BertModel(BertConfig(
         vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=256)).eval()), (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

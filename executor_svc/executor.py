@@ -99,7 +99,7 @@ class Executor:
                     raise InvalidArgument(f"weight {spec.name!r}: manifest has {list(e.shape)}, bundle expects "
                                           f"{spec.dtype.value}{format_shape(spec.shape)}")
                 data = self.store.get(Digest.from_pb(e.digest))
-                weights.append(np.frombuffer(data, dtype=spec.dtype.numpy).copy())
+                weights.append(kernel_array(np.frombuffer(data, dtype=spec.dtype.numpy).copy()))
             mod = load_module(bundle_d, bundle.module_source)
             sid = uuid.uuid4().hex
             with self._lock:
@@ -132,8 +132,14 @@ class Executor:
                     outs = s.entry(*args, *s.weights, *sym_args)
                 except IndexError as e:  # raised by generated Gather/Scatter bounds checks
                     raise InvalidArgument(f"an input holds an out-of-range index: {e}") from e
-        return [(spec.name, np.asarray(o).reshape(tuple(evaluate_dim(d, env) for d in spec.shape)))
+        return [(spec.name, np.asarray(o).view(spec.dtype.numpy).reshape(tuple(evaluate_dim(d, env) for d in spec.shape)))
                 for spec, o in zip(s.outputs, outs)]
+
+
+def kernel_array(a: np.ndarray) -> np.ndarray:
+    """The array generated kernels take: flat, contiguous, 16-bit floats as their uint16 words."""
+    a = np.ascontiguousarray(a).reshape(-1)
+    return a.view(np.uint16) if DType.from_numpy(a.dtype).is_half else a
 
 
 def check_inputs(specs: Sequence[TensorSpec], inputs: Sequence[tuple[str, np.ndarray]],
@@ -162,7 +168,7 @@ def check_inputs(specs: Sequence[TensorSpec], inputs: Sequence[tuple[str, np.nda
             raise InvalidArgument(f"input {spec.name!r}: expected shape {format_shape(spec.shape)}, "
                                   f"got {list(a.shape)}")
         arrays.append((spec, a))
-        out.append(np.ascontiguousarray(a).reshape(-1))
+        out.append(kernel_array(a))
     env: dict[str, int] = {}
     for spec, a in arrays:  # a dim that is one symbol binds it
         for d, actual in zip(spec.shape, a.shape):

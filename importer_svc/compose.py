@@ -20,6 +20,16 @@ def scalar(b: GraphBuilder, x: int, value: float) -> int:
     return b.const(value, b.dtype(x), b.shape(x))
 
 
+def dim_scalar(b: GraphBuilder, x: int, d) -> int:
+    """A dim's value (an int, or a symbolic Dim bound at run time) broadcast to x's shape and
+    dtype. A symbolic dim becomes data as the largest index of an Iota over it, plus one."""
+    if isinstance(d, int):
+        return scalar(b, x, d)
+    top = b.reduce(Op.MAX_REDUCE, b.iota((d,), 0, b.dtype(x)), 0)
+    n = add(b, top, b.const(1, b.dtype(x), (1,)))
+    return b.expand(b.reshape(n, ()), b.shape(x))
+
+
 def add(b, x, y):
     return b.binary(Op.ADD, x, y)
 

@@ -21,6 +21,7 @@ from kiln.ir.serialize import dtype_to_pb, graph_to_pb
 from kiln.ir.shape import format_shape, from_sympy
 from kiln.store import BlobStore
 from kiln.telemetry import span
+from kiln.tensors import torch_to_numpy
 from kiln.v1 import ir_pb2
 
 STAGE_VERSION = "importer-1-" + cache.code_version("importer_svc", "kiln.ir")
@@ -45,10 +46,7 @@ def source_of(node) -> str:
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().contiguous().cpu()
-    if t.dtype is torch.bfloat16:
-        return t.view(torch.int16).numpy().tobytes()
-    return t.numpy().tobytes()
+    return torch_to_numpy(t).tobytes()
 
 
 def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

@@ -598,8 +598,8 @@ def lower_index(b, node, x, indices):
     stride = 1
     for m in reversed(range(k)):
         i = idx[m]
-        wrapped = b.where(C.lt(b, i, C.scalar(b, i, 0)), C.add(b, i, C.scalar(b, i, shape[m])), i)
-        term = wrapped if stride == 1 else C.mul(b, wrapped, C.scalar(b, wrapped, stride))
+        wrapped = b.where(C.lt(b, i, C.scalar(b, i, 0)), C.add(b, i, C.dim_scalar(b, i, shape[m])), i)
+        term = wrapped if stride == 1 else C.mul(b, wrapped, C.dim_scalar(b, wrapped, stride))
         lin = term if lin is None else C.add(b, lin, term)
         stride = shape[m] * stride
     out_lead = b.shape(lin)

@@ -54,8 +54,18 @@ def _load_model(args):
 
     path = Path(args.model)
     if is_hf_directory(path):
+        from kiln.hf import dynamic_shapes_for
+
         module, kwargs = load_hf_directory(path, batch=args.batch, seq_len=args.seq_len)
-        return torch.export.export(module, (), kwargs, strict=False)
+        dyn = None
+        if getattr(args, "max_batch", None) or getattr(args, "max_seq_len", None):
+            dyn = dynamic_shapes_for(kwargs, args.max_batch, args.max_seq_len)
+        try:
+            return torch.export.export(module, (), kwargs, dynamic_shapes=dyn, strict=False)
+        except Exception as e:  # torch raises many types when a model cannot be exported
+            from kiln.errors import FailedPrecondition
+
+            raise FailedPrecondition(f"torch.export failed for {path}: {type(e).__name__}: {e}") from e
     if path.is_file():
         from importer_svc.safe_load import load_program
 
@@ -142,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="a .pt2 file, or a directory written by save_pretrained")
     c.add_argument("--batch", type=int, default=1, help="batch size of a Hugging Face model's example input")
     c.add_argument("--seq-len", type=int, default=16, help="sequence length of a Hugging Face model's example input")
+    c.add_argument("--max-batch", type=int, default=None,
+                   help="make the batch dim symbolic up to this size (Hugging Face directories)")
+    c.add_argument("--max-seq-len", type=int, default=None,
+                   help="make the sequence dim symbolic up to this length (Hugging Face directories)")
     c.add_argument("--no-search", action="store_true", help="skip equality saturation (one kernel per op)")
     c.add_argument("--target", default="cpu")
     c.set_defaults(fn=cmd_compile)

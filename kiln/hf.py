@@ -15,17 +15,39 @@ import torch
 from kiln.errors import FailedPrecondition, InvalidArgument
 
 
+TENSOR_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+
+
 class ModelOutputTensor(torch.nn.Module):
-    """A transformers model returning the tensor users compare: logits, else last_hidden_state."""
+    """A transformers model as a function of its tensor inputs, returning the tensor users
+    compare: logits, else last_hidden_state. The inputs are named parameters (not **kwargs)
+    so that torch.export can mark their batch and sequence dims dynamic; the KV cache is off."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
-    def forward(self, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None):
+        given = dict(zip(TENSOR_INPUTS, (input_ids, attention_mask, token_type_ids, position_ids)))
+        kwargs = {k: v for k, v in given.items() if v is not None}
+        if getattr(self.model.config, "use_cache", None) is not None:
+            kwargs["use_cache"] = False
         out = self.model(**kwargs)
         logits = getattr(out, "logits", None)
         return logits if logits is not None else out.last_hidden_state
+
+
+def dynamic_shapes_for(kwargs: dict, max_batch: int | None, max_seq: int | None) -> dict:
+    """torch.export dynamic_shapes making dim 0 `batch` and dim 1 `seq` of every [batch, seq]
+    input symbolic, up to the given maxima (None keeps that dim static)."""
+    from torch.export import Dim
+
+    dims = {}
+    if max_batch is not None:
+        dims[0] = Dim("batch", min=1, max=max_batch)
+    if max_seq is not None:
+        dims[1] = Dim("seq", min=1, max=max_seq)
+    return {k: (dict(dims) if v.dim() == 2 else None) for k, v in kwargs.items()}
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -58,6 +80,4 @@ def load_hf_directory(path: str | Path, batch: int = 1, seq_len: int = 16):
     vocab = int(getattr(model.config, "vocab_size", 2))
     ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if getattr(model.config, "use_cache", None) is not None:
-        kwargs["use_cache"] = False
     return ModelOutputTensor(model), kwargs

@@ -18,6 +18,7 @@ from kiln import errors
 from kiln.digest import Digest
 from kiln.store import BlobStore, open_store
 from kiln.telemetry import setup_tracing, span
+from kiln.tensors import array_from_pb, array_to_pb, numpy_to_torch, torch_to_numpy
 from kiln.v1 import services_pb2
 
 STAGES = ("importer", "optimizer", "codegen", "executor")
@@ -134,8 +135,6 @@ class Pipeline:
 
     def run(self, session: str, inputs: Sequence[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:
         if "executor" in self.addresses:
-            from kiln.tensors import array_from_pb, array_to_pb
-
             req = services_pb2.RunRequest(session=session, inputs=[array_to_pb(n, a, self.store) for n, a in inputs])
             r = _call(self._stub("executor").Run, req, self.timeout)
             return [(t.name, array_from_pb(t, self.store)) for t in r.outputs]
@@ -186,10 +185,10 @@ class CompiledModule:
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if len(tensors) != len(self._input_names):
             raise errors.InvalidArgument(f"expected {len(self._input_names)} tensor arguments, got {len(tensors)}")
-        inputs = [(n, t.detach().cpu().contiguous().numpy()) for n, t in zip(self._input_names, tensors)]
+        inputs = [(n, torch_to_numpy(t)) for n, t in zip(self._input_names, tensors)]
         with span("kiln.call", **{"kiln.session": self.session}):
             outs = self.pipeline.run(self.session, inputs)
-        result = [torch.from_numpy(np.ascontiguousarray(a)) for _, a in outs]
+        result = [numpy_to_torch(a) for _, a in outs]
         return pytree.tree_unflatten(result, self._out_tree) if self._out_tree is not None else tuple(result)
 
 

@@ -61,12 +61,3 @@ def test_out_of_range_index_is_invalid_argument_not_a_bad_read(local_pipeline):
     for bad in ([3, 10], [-1, 2]):  # torch raises IndexError for both
         with pytest.raises(InvalidArgument, match="out-of-range index"):
             compiled(torch.tensor(bad))
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_is_refused_clearly_on_cpu(local_pipeline, dtype):
-    from kiln.errors import FailedPrecondition
-
-    model = torch.nn.Linear(8, 4).to(dtype)
-    with pytest.raises(FailedPrecondition, match=r"cpu target does not support dtype (f16|bf16)"):
-        kiln.compile(model, (torch.randn(2, 8, dtype=dtype),), pipeline=local_pipeline)

@@ -21,14 +21,14 @@ def _llama():
     cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     ids = torch.randint(0, 100, (2, 7))
-    return LlamaForCausalLM(cfg), {"input_ids": ids, "use_cache": False}
+    return LlamaForCausalLM(cfg), {"input_ids": ids}
 
 
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64)
-    return GPT2LMHeadModel(cfg), {"input_ids": torch.randint(0, 100, (2, 7)), "use_cache": False}
+    return GPT2LMHeadModel(cfg), {"input_ids": torch.randint(0, 100, (2, 7))}
 
 
 def _bert():
@@ -65,22 +65,24 @@ def test_cli_compiles_a_save_pretrained_directory(tmp_path):
     model, _ = _llama()
     model.save_pretrained(tmp_path / "llama", safe_serialization=True)
     env = {**__import__("os").environ, "KILN_STORE": f"file://{tmp_path / 'store'}"}
-    r = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(tmp_path / "llama"), "--seq-len", "5"],
-                       capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(tmp_path / "llama"), "--seq-len", "5",
+                        "--max-seq-len", "16"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
-    ids = torch.randint(0, 100, (1, 5))
-    np.save(tmp_path / "ids.npy", ids.numpy())
-    np.save(tmp_path / "mask.npy", torch.ones_like(ids).numpy())
-    r = subprocess.run([sys.executable, "-m", "kiln.cli", "run", out["bundle"], "--manifest", out["manifest"],
-                        "--input", f"input_ids={tmp_path / 'ids.npy'}", "--input",
-                        f"attention_mask={tmp_path / 'mask.npy'}", "--out", str(tmp_path / "out")],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    (logits,) = [np.load(p) for p in (tmp_path / "out").iterdir()]
-    with torch.no_grad():
-        ref = model.eval()(input_ids=ids, use_cache=False).logits
-    assert np.allclose(logits, ref.numpy(), rtol=1e-4, atol=1e-4)
+    for t in (5, 11):  # one bundle, two lengths
+        ids = torch.randint(0, 100, (1, t))
+        np.save(tmp_path / "ids.npy", ids.numpy())
+        np.save(tmp_path / "mask.npy", torch.ones_like(ids).numpy())
+        r = subprocess.run([sys.executable, "-m", "kiln.cli", "run", out["bundle"], "--manifest", out["manifest"],
+                            "--input", f"input_ids={tmp_path / 'ids.npy'}", "--input",
+                            f"attention_mask={tmp_path / 'mask.npy'}", "--out", str(tmp_path / "out")],
+                           capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        (logits,) = [np.load(p) for p in (tmp_path / "out").iterdir()]
+        with torch.no_grad():
+            ref = model.eval()(input_ids=ids, use_cache=False).logits
+        assert logits.shape == tuple(ref.shape)
+        assert np.allclose(logits, ref.numpy(), rtol=1e-4, atol=1e-4)
 
 
 def test_directory_with_remote_code_is_refused(tmp_path):
@@ -94,3 +96,31 @@ def test_directory_with_remote_code_is_refused(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(FailedPrecondition, match="custom code"):
         load_hf_directory(tmp_path / "m")
+
+
+@pytest.mark.parametrize("build", [_llama, _gpt2, _bert], ids=["llama", "gpt2", "bert"])
+def test_hf_model_with_symbolic_batch_and_seq(local_pipeline, build):
+    """One bundle serves every (batch, seq) up to the maxima, each matching eager."""
+    from kiln.hf import dynamic_shapes_for
+
+    torch.manual_seed(0)
+    model, kwargs = build()
+    wrapped = Logits(model.eval())
+    compiled = kiln.compile(wrapped, (), kwargs, pipeline=local_pipeline,
+                            dynamic_shapes=dynamic_shapes_for(kwargs, max_batch=4, max_seq=32))
+    bundle = compiled.result.bundle
+    for b, t in [(1, 1), (2, 7), (3, 13), (4, 32)]:
+        ids = torch.randint(0, 100, (b, t))
+        kw = {"input_ids": ids}
+        if "attention_mask" in kwargs:
+            mask = torch.ones_like(ids)
+            mask[0, t // 2 + 1:] = 0
+            kw["attention_mask"] = mask
+        if "token_type_ids" in kwargs:
+            kw["token_type_ids"] = ids % 2
+        with torch.no_grad():
+            ref = wrapped(**kw)
+        out = compiled(**kw)
+        assert out.shape == ref.shape
+        assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4), ((b, t), (out - ref).abs().max())
+    assert compiled.result.bundle == bundle

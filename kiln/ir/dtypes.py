@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+import ml_dtypes
 import numpy as np
 
 
@@ -24,15 +25,20 @@ class DType(enum.Enum):
         return {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "bool": 1}[self.value]
 
     @property
+    def is_half(self) -> bool:
+        """16-bit floats: stored as 16-bit words, computed in f32 inside kernels."""
+        return self in (DType.F16, DType.BF16)
+
+    @property
     def numpy(self) -> np.dtype:
-        if self is DType.BF16:
-            raise NotImplementedError("bf16 has no numpy dtype; bf16 tensors travel as raw 16-bit words")
-        return np.dtype({"f32": np.float32, "f16": np.float16, "i32": np.int32, "i64": np.int64,
-                         "bool": np.bool_}[self.value])
+        """The numpy dtype; bf16 is ml_dtypes' bfloat16 (numpy has none of its own)."""
+        return np.dtype({"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16, "i32": np.int32,
+                         "i64": np.int64, "bool": np.bool_}[self.value])
 
     @staticmethod
     def from_numpy(dt: np.dtype) -> "DType":
         table = {np.dtype(np.float32): DType.F32, np.dtype(np.float16): DType.F16,
+                 np.dtype(ml_dtypes.bfloat16): DType.BF16,
                  np.dtype(np.int32): DType.I32, np.dtype(np.int64): DType.I64,
                  np.dtype(np.bool_): DType.BOOL}
         if np.dtype(dt) not in table:

@@ -75,7 +75,8 @@ def _eval_node(n: Node, a: list[np.ndarray], inputs, weights, env) -> np.ndarray
     if op is Op.WHERE:
         return np.where(a[0], a[1], a[2]).astype(dt)
     if op is Op.SUM_REDUCE:
-        return np.sum(a[0], axis=n.axis, keepdims=True, dtype=dt)
+        acc = np.float32 if n.dtype.is_half else dt  # 16-bit floats accumulate in f32, as in torch
+        return np.sum(a[0], axis=n.axis, keepdims=True, dtype=acc).astype(dt)
     if op is Op.MAX_REDUCE:
         if a[0].shape[n.axis] == 0:
             return np.full(tuple(evaluate_dim(d, env) for d in n.shape), -np.inf, dtype=dt)

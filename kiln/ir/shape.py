@@ -100,10 +100,10 @@ class Sym:
             total += v
         return total
 
-    def render(self) -> str:
+    def render(self, prefix: str = "") -> str:
         parts = []
         for m, c in self.terms:
-            factors = ([str(c)] if c != 1 or not m else []) + list(m)
+            factors = ([str(c)] if c != 1 or not m else []) + [prefix + x for x in m]
             parts.append("*".join(factors))
         return "(" + " + ".join(parts) + ")"
 
@@ -141,9 +141,12 @@ def contiguous_strides(shape: Shape) -> tuple[Dim, ...]:
     return tuple(reversed(strides))
 
 
+SYMBOL_PREFIX = "d_"  # generated code names symbol `seq` d_seq, so no symbol can shadow a generated name
+
+
 def render_dim(d: Dim) -> str:
     """Python source for a dim; symbols are variables bound in the generated entry function."""
-    return d.render() if isinstance(d, Sym) else str(int(d))
+    return d.render(SYMBOL_PREFIX) if isinstance(d, Sym) else str(int(d))
 
 
 def evaluate_dim(d: Dim, env: Mapping[str, int]) -> int:
