@@ -119,6 +119,26 @@ def abs_(b, x):
     return b.where(lt(b, x, scalar(b, x, 0.0)), neg(b, x), x)
 
 
+def pow_(b, x, y):
+    """x ** y for floats, as torch (C's pow) defines it: |x| ** y = 2 ** (y * log2 |x|), negated
+    for a negative base (-0.0 included) and odd integer y, NaN for a finite negative base and
+    non-integer y; x ** 0 = 1 and
+    1 ** y = 1 (NaN included), (-1) ** ±inf = 1."""
+    x, y = b.broadcast(x, y)
+    one, zero = scalar(b, x, 1.0), scalar(b, x, 0.0)
+    mag = b.unary(Op.EXP2, mul(b, y, b.unary(Op.LOG2, abs_(b, x))))
+    y_inf = eq(b, abs_(b, y), scalar(b, y, math.inf))
+    y_int = logical_or(b, eq(b, b.binary(Op.MOD, y, one), zero), y_inf)
+    y_odd = eq(b, b.binary(Op.MOD, y, scalar(b, y, 2.0)), one)
+    # the sign bit: x < 0, or x = -0.0 (whose reciprocal is -inf)
+    negative = logical_or(b, lt(b, x, zero), logical_and(b, eq(b, x, zero), lt(b, b.unary(Op.RECIP, x), zero)))
+    r = b.where(logical_and(b, negative, y_odd), neg(b, mag), mag)
+    finite_negative = logical_and(b, lt(b, x, zero), lt(b, scalar(b, x, -math.inf), x))
+    r = b.where(logical_and(b, finite_negative, logical_not(b, y_int)), scalar(b, x, math.nan), r)
+    unit = logical_or(b, logical_or(b, eq(b, y, zero), eq(b, x, one)), logical_and(b, eq(b, x, scalar(b, x, -1.0)), y_inf))
+    return b.where(unit, one, r)
+
+
 def relu(b, x):
     # Where keeps NaN: NaN < 0 is false, so NaN passes through as in torch
     return b.where(lt(b, x, scalar(b, x, 0.0)), scalar(b, x, 0.0), x)

@@ -154,22 +154,36 @@ def lower_abs(b, node, x):
 
 @register_lowering(aten.pow.Tensor_Scalar)
 def lower_pow(b, node, x, e):
-    x = _to(b, x, out_dtype(node))
-    if e == 2:
-        return C.mul(b, x, x)
-    if e == 1:
-        return x
-    if e == 0.5:
-        return b.unary(Op.SQRT, x)
-    if e == -1:
-        return b.unary(Op.RECIP, x)
-    if float(e).is_integer() and 0 < e <= 8:
+    dt = out_dtype(node)
+    x = _to(b, x, dt)
+    if float(e).is_integer() and 0 <= e <= 8:  # exact repeated products, for ints too
+        if e == 0:
+            return b.const(1, dt, b.shape(x))
         r = x
         for _ in range(int(e) - 1):
             r = C.mul(b, r, x)
         return r
-    # x ** e = 2 ** (e * log2 x), defined for x > 0 as torch is for non-integer e
-    return b.unary(Op.EXP2, C.mul(b, b.unary(Op.LOG2, x), C.scalar(b, x, e)))
+    if e == 0.5:
+        return b.unary(Op.SQRT, x)
+    if e == -1:
+        return b.unary(Op.RECIP, x)
+    if not dt.is_float:
+        raise NotImplementedError(f"integer pow with exponent {e}")
+    return C.pow_(b, x, C.scalar(b, x, float(e)))
+
+
+@register_lowering(aten.pow.Tensor_Tensor)
+def lower_pow_tensor(b, node, x, y):
+    if not out_dtype(node).is_float:
+        raise NotImplementedError("integer pow of two tensors")
+    return C.pow_(b, *_binary_args(b, node, x, y))
+
+
+@register_lowering(aten.pow.Scalar)
+def lower_pow_scalar_base(b, node, base, y):
+    if not out_dtype(node).is_float:
+        raise NotImplementedError("integer pow of a scalar base")
+    return C.pow_(b, *_binary_args(b, node, base, y))
 
 
 @register_lowering(aten.maximum.default)
@@ -586,10 +600,27 @@ def lower_bitwise_not(b, node, x):
 
 @register_lowering(aten.index.Tensor)
 def lower_index(b, node, x, indices):
+    """x[..., i, j, ...] with index tensors on some dims (None skips a dim): the indexed dims are
+    permuted to the front and gathered at once; as in torch, the broadcast index dims replace
+    the indexed dims where those are adjacent, and lead the result where they are not."""
+    pos = [m for m, i in enumerate(indices) if i is not None]
+    if any(b.dtype(indices[m]) is DType.BOOL for m in pos):
+        raise NotImplementedError("boolean mask indices (the result's shape depends on the data)")
+    rank = len(b.shape(x))
+    perm = pos + [d for d in range(rank) if d not in pos]
+    xp = b.permute(x, perm) if perm != list(range(rank)) else x
+    out = _index_prefix(b, xp, [indices[m] for m in pos])
+    p = pos[0]
+    if p == 0 or pos != list(range(p, pos[-1] + 1)):
+        return out
+    lead = len(b.shape(out)) - (rank - len(pos))
+    order = list(range(lead, lead + p)) + list(range(lead)) + list(range(lead + p, len(b.shape(out))))
+    return b.permute(out, order)
+
+
+def _index_prefix(b, x, indices):
     """x[i0, i1, ...] with index tensors for a prefix of x's dims: one Gather over the
     flattened prefix, at the linear index of the (broadcast, wrapped) index tensors."""
-    if any(i is None for i in indices):
-        raise NotImplementedError("index with None (skipped dims) among the indices")
     shape = b.shape(x)
     k = len(indices)
     idx = [b.cast(i, DType.I64) for i in indices]

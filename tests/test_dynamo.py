@@ -30,3 +30,25 @@ def test_unlowerable_graph_raises_clearly():
 
     with pytest.raises(Exception, match=r"aten\.sort"):
         torch.compile(f, backend="kiln", dynamic=False)(torch.randn(4, 3))
+
+
+@pytest.mark.parametrize("which", ["llama", "cnn"])
+def test_torch_compile_with_kiln_on_llama_and_cnn(which):
+    from kiln.examples import SmallResNet
+    from kiln.hf import ModelOutputTensor
+    from test_hf import _llama
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    if which == "llama":
+        model, kwargs = _llama()
+        model = ModelOutputTensor(model.eval())
+        args = ()
+    else:
+        model, args, kwargs = SmallResNet().eval(), (torch.randn(2, 3, 16, 16),), {}
+    compiled = torch.compile(model, backend="kiln", dynamic=False)
+    with torch.no_grad():
+        out = compiled(*args, **kwargs)
+        ref = model(*args, **kwargs)
+    assert out.shape == ref.shape
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4), (out - ref).abs().max()
