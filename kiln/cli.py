@@ -41,7 +41,8 @@ def cmd_compile(args) -> int:
     out = {"program": str(program), "graph": str(r.graph), "manifest": str(r.manifest),
            "kernel_graph": str(r.kernel_graph), "bundle": str(r.bundle), "kernels": r.kernels,
            "peak_bytes": r.peak_bytes, "search": r.report.stop_reason, "nodes_before": r.report.nodes_before,
-           "nodes_after": r.report.nodes_after}
+           "nodes_after": r.report.nodes_after, "cost_before": r.report.cost_before,
+           "cost_after": r.report.cost_after, "rules_fired": {c.rule: c.matches for c in r.report.rulesets}}
     print(json.dumps(out, indent=2))
     return 0
 

@@ -15,7 +15,7 @@ from kiln.store import BlobStore
 from kiln.telemetry import span
 from kiln.v1 import ir_pb2, services_pb2
 from optimizer_svc.partition import partition
-from optimizer_svc.search import SearchLimits, SearchReport, saturate
+from optimizer_svc.search import SearchLimits, SearchReport, graph_cost, saturate
 
 STAGE_VERSION = "optimizer-1-" + cache.code_version("optimizer_svc", "kiln.ir")
 MAX_ITERATIONS_CAP = 1000
@@ -62,16 +62,21 @@ def optimize(store: BlobStore, graph_d: Digest, options: OptimizeOptions,
             optimized, rep = graph, SearchReport(stop_reason="search off")
         kg = partition(optimized, fuse=options.search)
         s.set_attribute("kiln.stop_reason", rep.stop_reason)
+        s.set_attribute("kiln.cost_before", graph_cost(graph))
+        s.set_attribute("kiln.cost_after", graph_cost(optimized))
         s.set_attribute("kiln.kernels", len(kg.kernels))
     kg_d = store.put_message(kernel_graph_to_pb(kg, graph_d))
     report = services_pb2.OptimizeReport(stop_reason=rep.stop_reason, nodes_before=len(graph.nodes),
                                          nodes_after=len(optimized.nodes), kernels=len(kg.kernels),
-                                         seconds=time.monotonic() - t0)
+                                         seconds=time.monotonic() - t0, cost_before=graph_cost(graph),
+                                         cost_after=graph_cost(optimized))
     for it in rep.iterations:
         report.iterations.add(iteration=it.iteration, enodes=it.enodes, eclasses=it.eclasses,
                               rules_fired=it.rules_fired)
     for rule, n in sorted(rep.rules.items()):
         report.rules.add(rule=rule, matches=n)
+    for family, n in sorted(rep.rulesets.items()):
+        report.rulesets.add(rule=family, matches=n)
     # a run cut short by the caller's deadline is not a reusable result
     if rep.stop_reason != "deadline":
         cache.record(store, key, {"kernel_graph": kg_d, "report": store.put_message(report)})

@@ -1,7 +1,8 @@
 """Equality saturation over a primitive Graph: encode, run bounded rulesets, extract.
 
 Extraction reads the serialized e-graph and picks, per e-class, the cheapest e-node by a
-bottom-up fixpoint (compute ops cost 1, views 0.01, leaves and constants 0), then rebuilds a
+bottom-up fixpoint (a compute op costs the elements it computes, weighted by op; views 0.01;
+leaves and constants 0; e-class shapes are inferred from the leaves), then rebuilds a
 Graph through GraphBuilder so shapes and dtypes are re-inferred and checked.
 """
 
@@ -20,11 +21,13 @@ from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph
 from kiln.ir.ops import GroupOp, Op
+from kiln.ir.shape import evaluate_dim, numel
 from kiln.ir.view import ViewSpec, compose
 from kiln.telemetry import span
 from optimizer_svc.rules.algebra import algebra
+from optimizer_svc.rules.reductions import reductions
 from optimizer_svc.rules.views import views
-from optimizer_svc.terms import Term, compose_views
+from optimizer_svc.terms import Term, compose_views, plain_view, reduce_view
 
 _UNARY = {Op.EXP2: Term.exp2, Op.LOG2: Term.log2, Op.SIN: Term.sin, Op.SQRT: Term.sqrt, Op.RECIP: Term.recip}
 _BINARY = {Op.ADD: Term.add, Op.MUL: Term.mul, Op.MOD: Term.mod, Op.LESS_THAN: Term.less_than}
@@ -53,6 +56,7 @@ class IterationStat:
 class SearchReport:
     iterations: list[IterationStat] = field(default_factory=list)
     rules: dict[str, int] = field(default_factory=dict)
+    rulesets: dict[str, int] = field(default_factory=dict)
     stop_reason: str = ""
     seconds: float = 0.0
 
@@ -63,11 +67,31 @@ class _Encoder:
         self.specs: dict[str, ViewSpec] = {}
         self.shapes: dict[str, tuple] = {}
         self.composed: set[tuple[str, str]] = set()
+        self.pending: list[str] = []  # specs whose tables are not yet in the e-graph
 
     def spec_key(self, v: ViewSpec) -> str:
         k = v.key()
-        self.specs[k] = v
+        if k not in self.specs:
+            self.specs[k] = v
+            self.pending.append(k)
         return k
+
+    def flush_tables(self, eg: EGraph) -> bool:
+        """Enter the Python-computed facts of new specs: plain_view for views without a mask,
+        reduce_view for broadcast scalars. True when anything was added."""
+        added = False
+        while self.pending:
+            k = self.pending.pop()
+            v = self.specs[k]
+            if v.mask is None:
+                eg.register(plain_view(String(k)))
+                added = True
+            if v.mask is None and v.offset == 0 and all(st == 0 for st in v.strides):
+                for axis in range(len(v.shape)):
+                    r = ViewSpec(tuple(1 if j == axis else d for j, d in enumerate(v.shape)), v.strides)
+                    eg.register(set_(reduce_view(k, axis)).to(String(self.spec_key(r))))
+                    added = True
+        return added
 
     def term(self, n, args):
         op = n.op
@@ -133,7 +157,8 @@ def _saturate(g: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport]:
                 enc.register_composition(eg, g.nodes[n.inputs[0]].view.key(), n.view.key())
         for k, o in enumerate(g.outputs):
             eg.register(Term.output(k, refs[o]))
-    rules = algebra | views
+        enc.flush_tables(eg)
+    rulesets = {"algebra": algebra, "views": views, "reductions": reductions}
     stop = "iteration limit"
     serialized = None
     for it in range(1, limits.max_iterations + 1):
@@ -145,22 +170,26 @@ def _saturate(g: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport]:
             stop = "time budget"
             break
         with span("optimizer.iteration", **{"kiln.iteration": it}) as s:
-            r = eg.run(1, ruleset=rules)
-            fired = 0
-            for decl, count in r.num_matches_per_rule.items():
-                if count:
-                    name = pretty_decl(r._decls, decl)
-                    report.rules[name] = report.rules.get(name, 0) + count
-                    fired += count
+            fired, updated = 0, False
+            for family, ruleset in rulesets.items():  # scheduled one family at a time
+                r = eg.run(1, ruleset=ruleset)
+                updated |= r.updated
+                for decl, count in r.num_matches_per_rule.items():
+                    if count:
+                        name = pretty_decl(r._decls, decl)
+                        report.rules[name] = report.rules.get(name, 0) + count
+                        report.rulesets[family] = report.rulesets.get(family, 0) + count
+                        fired += count
             serialized = _serialize(eg)
             new_pairs = _register_new_compositions(eg, enc, serialized)
+            new_pairs |= enc.flush_tables(eg)
             enodes = sum(size for _, size in eg.all_function_sizes())
             eclasses = len({n["eclass"] for n in serialized["nodes"].values()})
             report.iterations.append(IterationStat(it, enodes, eclasses, fired))
             s.set_attribute("kiln.enodes", enodes)
             s.set_attribute("kiln.eclasses", eclasses)
             s.set_attribute("kiln.rules_fired", fired)
-        if not r.updated and not new_pairs:
+        if not updated and not new_pairs:
             stop = "saturated"
             break
         if enodes >= limits.max_enodes:
@@ -209,12 +238,68 @@ def _register_new_compositions(eg: EGraph, enc: _Encoder, ser: dict) -> bool:
     return added
 
 
-def _cost(op: str) -> float:
-    if op in ("Term.input", "Term.weight", "Term.const"):
+# relative cost of one element of each op: transcendental ops are polynomial evaluations
+_OP_WEIGHT = {"exp2": 4.0, "log2": 4.0, "sin": 4.0, "sqrt": 2.0, "recip": 2.0, "mod": 2.0}
+VIEW_COST = 0.01  # views are free at run time; a small cost prefers fewer of them
+
+
+def _node_cost(name: str, elements: int) -> float:
+    if name in ("input", "weight", "const"):
         return 0.0
-    if op == "Term.view":
-        return 0.01
-    return 1.0
+    if name == "view":
+        return VIEW_COST
+    return _OP_WEIGHT.get(name, 1.0) * elements
+
+
+def graph_cost(g: Graph) -> float:
+    """The cost extraction minimizes, for a whole Graph: elements computed, weighted by op."""
+    largest = {name: hi for name, _, hi in g.symbols}
+    name = {v: k for k, v in _TERM_OF_OP.items()}
+    return sum(_node_cost(name.get(n.op, "other"), evaluate_dim(numel(n.shape), largest)) for n in g.nodes)
+
+
+_TERM_OF_OP = {"input": Op.INPUT, "weight": Op.WEIGHT, "const": Op.CONSTANT, "view": Op.VIEW, "exp2": Op.EXP2,
+               "log2": Op.LOG2, "sin": Op.SIN, "sqrt": Op.SQRT, "recip": Op.RECIP, "mod": Op.MOD}
+
+
+def _class_elements(g: Graph, enc: "_Encoder", nodes: dict, classes: dict[str, list[str]]) -> dict[str, int]:
+    """Elements of each e-class's value (all members of a class have one shape), at the largest
+    binding of each symbol, inferred bottom-up from the leaves."""
+    largest = {name: hi for name, _, hi in g.symbols}
+    leaf = {t.name: t.shape for t in list(g.inputs) + list(g.weights)}
+    shape: dict[str, tuple] = {}
+    changed = True
+    while changed:
+        changed = False
+        for cls, members in classes.items():
+            if cls in shape:
+                continue
+            for nid in members:
+                n = nodes[nid]
+                name = _BY_NAME[n["op"]]
+                kids = [nodes[ch]["eclass"] for ch in n["children"] if nodes[ch]["op"] in _BY_NAME]
+                lits = [_literal(nodes[ch]) for ch in n["children"] if nodes[ch]["op"] not in _BY_NAME]
+                if name in ("input", "weight"):
+                    shape[cls] = tuple(leaf[lits[0]])
+                elif name == "const":
+                    shape[cls] = ()
+                elif name == "view":
+                    shape[cls] = tuple(enc.specs[lits[0]].shape)
+                elif name == "iota":
+                    shape[cls] = tuple(enc.shapes[lits[0]])
+                elif not all(k in shape for k in kids):
+                    continue
+                elif name in ("sum_reduce", "max_reduce"):
+                    s = list(shape[kids[0]])
+                    s[int(lits[0])] = 1
+                    shape[cls] = tuple(s)
+                elif name == "gather":
+                    shape[cls] = shape[kids[1]]
+                else:  # elementwise ops and scatter: the first operand's shape
+                    shape[cls] = shape[kids[0]]
+                changed = True
+                break
+    return {c: evaluate_dim(numel(s), largest) for c, s in shape.items()}
 
 
 def _extract(g: Graph, enc: _Encoder, ser: dict) -> Graph:
@@ -223,6 +308,7 @@ def _extract(g: Graph, enc: _Encoder, ser: dict) -> Graph:
     for nid, n in nodes.items():
         if n["op"] in _BY_NAME and n["op"] != "Term.output":
             classes.setdefault(n["eclass"], []).append(nid)
+    elements = _class_elements(g, enc, nodes, classes)
     best: dict[str, tuple[float, str]] = {}
     changed = True
     while changed:
@@ -230,7 +316,7 @@ def _extract(g: Graph, enc: _Encoder, ser: dict) -> Graph:
         for cls, members in classes.items():
             for nid in members:
                 n = nodes[nid]
-                total = _cost(n["op"])
+                total = _node_cost(_BY_NAME[n["op"]], elements.get(cls, 1))
                 ok = True
                 for ch in n["children"]:
                     ccls = nodes[ch]["eclass"]

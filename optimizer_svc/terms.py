@@ -60,5 +60,17 @@ def compose_views(inner: StringLike, outer: StringLike) -> String:
     """Filled from Python (kiln.ir.view.compose) for the view pairs the graph contains."""
 
 
+@function
+def reduce_view(spec: StringLike, axis: i64Like) -> String:
+    """A broadcast scalar's view with dim `axis` reduced to 1; filled from Python for the
+    broadcast specs the graph contains."""
+
+
+# views without a padding mask (filled from Python)
+plain_view = relation("plain_view", String)
+
+# |x| <= 1 (or NaN) everywhere: exp2(x) is then finite and normal, so log2(exp2(x)) -> x is sound
+unit_bounded = relation("unit_bounded", Term)
+
 # x >= 0 (or NaN) everywhere: the analysis that makes exp2(log2(x)) -> x sound
 nonneg = relation("nonneg", Term)

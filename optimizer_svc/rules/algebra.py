@@ -1,4 +1,5 @@
-"""Algebra: identities, constant folding and folding of scalar constant chains.
+"""Algebra: identities, constant folding, folding of scalar constant chains, and distributing a
+shared scalar factor.
 
 Constants are scalars broadcast by a View; a rule that folds two constants requires both to
 be broadcast by the same spec, so the folded constant has the same shape. Bool constants are
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from egglog import String, eq, f64, i64, ne, rewrite, rule, ruleset, union, var
 
-from optimizer_svc.terms import Term, nonneg
+from optimizer_svc.terms import Term, nonneg, unit_bounded
 
 algebra = ruleset(name="algebra")
 
@@ -30,7 +31,7 @@ algebra.register(
     rewrite(Term.add(x, bcast(0.0))).to(x),
     rewrite(Term.add(bcast(0.0), x)).to(x),
     rewrite(Term.recip(Term.recip(x))).to(x),
-    rewrite(Term.log2(Term.exp2(x))).to(x),
+    rule(eq(e).to(Term.log2(Term.exp2(x))), unit_bounded(x)).then(union(e).with_(x)),
     rule(eq(e).to(Term.exp2(Term.log2(x))), nonneg(x)).then(union(e).with_(x)),
     # constant folding
     rewrite(Term.add(bcast(a), bcast(b))).to(bcast(a + b), ne(d).to(String("bool"))),
@@ -41,6 +42,15 @@ algebra.register(
     # scalar chains: (x * a) * b -> x * (a*b), (x + a) + b -> x + (a+b)
     rewrite(Term.mul(Term.mul(x, bcast(a)), bcast(b))).to(Term.mul(x, bcast(a * b)), ne(d).to(String("bool"))),
     rewrite(Term.add(Term.add(x, bcast(a)), bcast(b))).to(Term.add(x, bcast(a + b)), ne(d).to(String("bool"))),
+    # distributing a shared scalar factor removes a multiply: x*c + y*c -> (x + y)*c
+    rewrite(Term.add(Term.mul(x, bcast(a)), Term.mul(y, bcast(a)))).to(Term.mul(Term.add(x, y), bcast(a)),
+                                                                       ne(d).to(String("bool"))),
+    # |x| <= 1: sin, unit constants, selects of bounded values, products of bounded values
+    rule(eq(e).to(Term.sin(x))).then(unit_bounded(e)),
+    rule(eq(e).to(bcast(a)), a <= 1.0, a >= -1.0).then(unit_bounded(e)),
+    rule(eq(e).to(Term.mul(x, y)), unit_bounded(x), unit_bounded(y)).then(unit_bounded(e)),
+    rule(eq(e).to(Term.where(var("c", Term), x, y)), unit_bounded(x), unit_bounded(y)).then(unit_bounded(e)),
+    rule(eq(e).to(Term.view(x, s)), unit_bounded(x)).then(unit_bounded(e)),
     # the non-negativity analysis
     rule(eq(e).to(Term.exp2(x))).then(nonneg(e)),
     rule(eq(e).to(Term.sqrt(x))).then(nonneg(e)),

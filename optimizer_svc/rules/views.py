@@ -1,21 +1,42 @@
-"""Views: compose chains of views into one view where a single strided view exists.
+"""Views: compose chains of views into one view, and push views through elementwise ops.
 
 Which pairs compose is decided by kiln.ir.view.compose in Python and entered into the
-e-graph as the `compose_views` table before each round of saturation.
+e-graph as the `compose_views` table before each round of saturation. A view of an
+elementwise result is the elementwise op of the viewed operands, because every output element
+is computed from the operands' elements at the same index. A padding view (one with a mask)
+fills with zeros, so it moves only through ops that map zeros to zero (add, mul, sin, sqrt,
+select, less-than, cast); exp2(0) = 1, log2(0) and recip(0) are infinite and mod(0, 0) is
+NaN, so those need a view without a mask (`plain_view`). Identity views are dropped when the
+extracted program is rebuilt, which is where a chain that composes to nothing cancels.
 """
 
 from __future__ import annotations
 
-from egglog import String, eq, rule, ruleset, union, var
+from egglog import String, eq, rewrite, rule, ruleset, union, var
 
-from optimizer_svc.terms import Term, compose_views
+from optimizer_svc.terms import Term, compose_views, plain_view
 
 views = ruleset(name="views")
 
-_x, _e = var("x", Term), var("e", Term)
-_a, _b, _c = var("a", String), var("b", String), var("c", String)
+_x, _y, _c, _e = var("x", Term), var("y", Term), var("c", Term), var("e", Term)
+_a, _b, _s = var("a", String), var("b", String), var("s", String)
+_d = var("d", String)
 
 views.register(
-    rule(eq(_e).to(Term.view(Term.view(_x, _a), _b)), eq(_c).to(compose_views(_a, _b)))
-    .then(union(_e).with_(Term.view(_x, _c))),
+    rule(eq(_e).to(Term.view(Term.view(_x, _a), _b)), eq(_s).to(compose_views(_a, _b)))
+    .then(union(_e).with_(Term.view(_x, _s))),
+    # zero-preserving ops commute with every view
+    rewrite(Term.view(Term.add(_x, _y), _s)).to(Term.add(Term.view(_x, _s), Term.view(_y, _s))),
+    rewrite(Term.view(Term.mul(_x, _y), _s)).to(Term.mul(Term.view(_x, _s), Term.view(_y, _s))),
+    rewrite(Term.view(Term.less_than(_x, _y), _s)).to(Term.less_than(Term.view(_x, _s), Term.view(_y, _s))),
+    rewrite(Term.view(Term.where(_c, _x, _y), _s)).to(
+        Term.where(Term.view(_c, _s), Term.view(_x, _s), Term.view(_y, _s))),
+    rewrite(Term.view(Term.sin(_x), _s)).to(Term.sin(Term.view(_x, _s))),
+    rewrite(Term.view(Term.sqrt(_x), _s)).to(Term.sqrt(Term.view(_x, _s))),
+    rewrite(Term.view(Term.cast(_x, _d), _s)).to(Term.cast(Term.view(_x, _s), _d)),
+    # the others only through views without padding
+    rewrite(Term.view(Term.exp2(_x), _s)).to(Term.exp2(Term.view(_x, _s)), plain_view(_s)),
+    rewrite(Term.view(Term.log2(_x), _s)).to(Term.log2(Term.view(_x, _s)), plain_view(_s)),
+    rewrite(Term.view(Term.recip(_x), _s)).to(Term.recip(Term.view(_x, _s)), plain_view(_s)),
+    rewrite(Term.view(Term.mod(_x, _y), _s)).to(Term.mod(Term.view(_x, _s), Term.view(_y, _s)), plain_view(_s)),
 )
