@@ -66,6 +66,9 @@ def reduce_view(spec: StringLike, axis: i64Like) -> String:
     broadcast specs the graph contains."""
 
 
+# leaves and views: what a view may be pushed onto (rules/views.py)
+viewable = relation("viewable", Term)
+
 # views without a padding mask (filled from Python)
 plain_view = relation("plain_view", String)
 

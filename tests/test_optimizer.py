@@ -95,7 +95,7 @@ VIEW_RULES = [
     ("view_less_than", lambda b, x, y: b.where(b.reshape(b.binary(Op.LESS_THAN, x, y), (4, 3)),
                                                b.reshape(x, (4, 3)), b.reshape(y, (4, 3))),
      "Term.view(Term.less_than(x, y), s)"),
-    ("view_where", lambda b, x, y: b.permute(b.where(b.binary(Op.LESS_THAN, x, y), x, y), (1, 0)),
+    ("view_where", lambda b, x, y: b.permute(b.where(b.permute(b.permute(b.binary(Op.LESS_THAN, x, y), (1, 0)), (1, 0)), x, y), (1, 0)),
      "Term.view(Term.where(c, x, y), s)"),
     ("view_sin_padded", lambda b, x, y: _pad(b, b.unary(Op.SIN, x)), "Term.view(Term.sin(x), s)"),
     ("view_sqrt_padded", lambda b, x, y: _pad(b, b.unary(Op.SQRT, x)), "Term.view(Term.sqrt(x), s)"),

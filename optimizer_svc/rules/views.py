@@ -6,7 +6,8 @@ elementwise result is the elementwise op of the viewed operands, because every o
 is computed from the operands' elements at the same index. A padding view (one with a mask)
 fills with zeros, so it moves only through ops that map zeros to zero (add, mul, sin, sqrt,
 select, less-than, cast); exp2(0) = 1, log2(0) and recip(0) are infinite and mod(0, 0) is
-NaN, so those need a view without a mask (`plain_view`). Identity views are dropped when the
+NaN, so those need a view without a mask (`plain_view`). A view moves only onto operands that
+are leaves or views (`viewable`), so pushes stay one level deep. Identity views are dropped when the
 extracted program is rebuilt, which is where a chain that composes to nothing cancels.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from egglog import String, eq, rewrite, rule, ruleset, union, var
 
-from optimizer_svc.terms import Term, compose_views, plain_view
+from optimizer_svc.terms import Term, compose_views, plain_view, viewable
 
 views = ruleset(name="views")
 
@@ -22,21 +23,33 @@ _x, _y, _c, _e = var("x", Term), var("y", Term), var("c", Term), var("e", Term)
 _a, _b, _s = var("a", String), var("b", String), var("s", String)
 _d = var("d", String)
 
+
+def _push(lhs, rhs, operands, *conds):
+    """view(op(operands)) -> op(view(operand) ...), when every operand is a leaf or a view: the
+    pushed views then compose with the operands' views (or read a leaf directly), and a push
+    never walks down a chain of ops, which would copy whole residual streams into the e-graph."""
+    return rule(eq(_e).to(lhs), *[viewable(o) for o in operands], *conds).then(union(_e).with_(rhs))
+
+
 views.register(
     rule(eq(_e).to(Term.view(Term.view(_x, _a), _b)), eq(_s).to(compose_views(_a, _b)))
     .then(union(_e).with_(Term.view(_x, _s))),
+    # what a view may be pushed onto
+    rule(eq(_e).to(Term.view(_x, _s))).then(viewable(_e)),
+    rule(eq(_e).to(Term.input(_d))).then(viewable(_e)),
+    rule(eq(_e).to(Term.weight(_d))).then(viewable(_e)),
     # zero-preserving ops commute with every view
-    rewrite(Term.view(Term.add(_x, _y), _s)).to(Term.add(Term.view(_x, _s), Term.view(_y, _s))),
-    rewrite(Term.view(Term.mul(_x, _y), _s)).to(Term.mul(Term.view(_x, _s), Term.view(_y, _s))),
-    rewrite(Term.view(Term.less_than(_x, _y), _s)).to(Term.less_than(Term.view(_x, _s), Term.view(_y, _s))),
-    rewrite(Term.view(Term.where(_c, _x, _y), _s)).to(
-        Term.where(Term.view(_c, _s), Term.view(_x, _s), Term.view(_y, _s))),
-    rewrite(Term.view(Term.sin(_x), _s)).to(Term.sin(Term.view(_x, _s))),
-    rewrite(Term.view(Term.sqrt(_x), _s)).to(Term.sqrt(Term.view(_x, _s))),
-    rewrite(Term.view(Term.cast(_x, _d), _s)).to(Term.cast(Term.view(_x, _s), _d)),
+    _push(Term.view(Term.add(_x, _y), _s), Term.add(Term.view(_x, _s), Term.view(_y, _s)), (_x, _y)),
+    _push(Term.view(Term.mul(_x, _y), _s), Term.mul(Term.view(_x, _s), Term.view(_y, _s)), (_x, _y)),
+    _push(Term.view(Term.less_than(_x, _y), _s), Term.less_than(Term.view(_x, _s), Term.view(_y, _s)), (_x, _y)),
+    _push(Term.view(Term.where(_c, _x, _y), _s), Term.where(Term.view(_c, _s), Term.view(_x, _s), Term.view(_y, _s)),
+          (_c, _x, _y)),
+    _push(Term.view(Term.sin(_x), _s), Term.sin(Term.view(_x, _s)), (_x,)),
+    _push(Term.view(Term.sqrt(_x), _s), Term.sqrt(Term.view(_x, _s)), (_x,)),
+    _push(Term.view(Term.cast(_x, _d), _s), Term.cast(Term.view(_x, _s), _d), (_x,)),
     # the others only through views without padding
-    rewrite(Term.view(Term.exp2(_x), _s)).to(Term.exp2(Term.view(_x, _s)), plain_view(_s)),
-    rewrite(Term.view(Term.log2(_x), _s)).to(Term.log2(Term.view(_x, _s)), plain_view(_s)),
-    rewrite(Term.view(Term.recip(_x), _s)).to(Term.recip(Term.view(_x, _s)), plain_view(_s)),
-    rewrite(Term.view(Term.mod(_x, _y), _s)).to(Term.mod(Term.view(_x, _s), Term.view(_y, _s)), plain_view(_s)),
+    _push(Term.view(Term.exp2(_x), _s), Term.exp2(Term.view(_x, _s)), (_x,), plain_view(_s)),
+    _push(Term.view(Term.log2(_x), _s), Term.log2(Term.view(_x, _s)), (_x,), plain_view(_s)),
+    _push(Term.view(Term.recip(_x), _s), Term.recip(Term.view(_x, _s)), (_x,), plain_view(_s)),
+    _push(Term.view(Term.mod(_x, _y), _s), Term.mod(Term.view(_x, _s), Term.view(_y, _s)), (_x, _y), plain_view(_s)),
 )
