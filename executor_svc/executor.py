@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import statistics
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +136,60 @@ class Executor:
                     raise InvalidArgument(f"an input holds an out-of-range index: {e}") from e
         return [(spec.name, np.asarray(o).view(spec.dtype.numpy).reshape(tuple(evaluate_dim(d, env) for d in spec.shape)))
                 for spec, o in zip(s.outputs, outs)]
+
+
+    def profile(self, bundles: Sequence[Digest], manifest: Digest, repeats: int = 20,
+                symbols: Mapping[str, int] | None = None) -> list[tuple[Digest, float, float]]:
+        """Time each candidate bundle on the same random inputs: (bundle, median s, min s).
+        Runs are interleaved round-robin, so every candidate sees the same machine state."""
+        if not bundles:
+            raise InvalidArgument("Profile needs at least one bundle")
+        if not 1 <= repeats <= 10_000:
+            raise InvalidArgument(f"repeats must be in 1..10000, got {repeats}")
+        sids = [self.load(b, manifest) for b in bundles]
+        first = self.session(sids[0])
+        env = {}
+        for name, lo, hi in first.symbols:
+            v = int((symbols or {}).get(name, hi))
+            if not lo <= v <= hi:
+                raise InvalidArgument(f"symbol {name!r} = {v} is outside its range [{lo}, {hi}]")
+            env[name] = v
+        inputs = random_inputs(first.inputs, env)
+        for sid in sids[1:]:
+            if self.session(sid).inputs != first.inputs:
+                raise InvalidArgument("Profile candidates must share one input signature")
+        times: list[list[float]] = [[] for _ in sids]
+        with span("executor.profile", **{"kiln.candidates": len(sids), "kiln.repeats": repeats}):
+            for sid in sids:  # warm-up: compiles on first call
+                self.run(sid, inputs)
+            for _ in range(repeats):
+                for i, sid in enumerate(sids):
+                    t0 = time.perf_counter()
+                    self.run(sid, inputs)
+                    times[i].append(time.perf_counter() - t0)
+        for sid in sids:
+            self.drop(sid)
+        return [(b, statistics.median(t), min(t)) for b, t in zip(bundles, times)]
+
+    def drop(self, sid: str) -> None:
+        with self._lock:
+            self.sessions.pop(sid, None)
+
+
+def random_inputs(specs: Sequence[TensorSpec], env: Mapping[str, int]) -> list[tuple[str, np.ndarray]]:
+    """Inputs for timing: normal floats, zero indices (valid for any gather), all-true masks."""
+    rng = np.random.default_rng(0)
+    out = []
+    for spec in specs:
+        shape = tuple(evaluate_dim(d, env) for d in spec.shape)
+        if spec.dtype.is_float:
+            a = rng.standard_normal(shape, dtype=np.float32).astype(spec.dtype.numpy)
+        elif spec.dtype is DType.BOOL:
+            a = np.ones(shape, dtype=np.bool_)
+        else:
+            a = np.zeros(shape, dtype=spec.dtype.numpy)
+        out.append((spec.name, a))
+    return out
 
 
 def kernel_array(a: np.ndarray) -> np.ndarray:

@@ -5,6 +5,7 @@ from kiln.service import rpc
 from kiln.telemetry import span
 from kiln.tensors import array_from_pb, array_to_pb
 from kiln.v1 import services_pb2, services_pb2_grpc
+from executor_svc.calibrate import calibrate
 from executor_svc.executor import Executor
 
 
@@ -30,3 +31,17 @@ class ExecutorServicer(services_pb2_grpc.ExecutorServicer):
             inputs = [(t.name, array_from_pb(t, self.store)) for t in request.inputs]
             outs = self.executor.run(request.session, inputs)
         return services_pb2.RunResponse(outputs=[array_to_pb(n, a, self.store) for n, a in outs])
+
+    @rpc
+    def Calibrate(self, request, context):
+        d, profile, cached = calibrate(self.store, request.target or "cpu", request.force)
+        return services_pb2.CalibrateResponse(profile=d.to_pb(), target_profile=profile, cached=cached)
+
+    @rpc
+    def Profile(self, request, context):
+        bundles = [Digest.from_pb(b) for b in request.bundles]
+        timings = self.executor.profile(bundles, Digest.from_pb(request.manifest), request.repeats or 20,
+                                        dict(request.symbols))
+        return services_pb2.ProfileResponse(timings=[
+            services_pb2.BundleTiming(bundle=b.to_pb(), median_s=med, min_s=lo, repeats=request.repeats or 20)
+            for b, med, lo in timings])

@@ -37,12 +37,16 @@ def cmd_compile(args) -> int:
         program = p.store.put(path.read_bytes())  # the importer loads it safely, wherever it runs
     else:
         _load_model(args)  # raises the error that says what is expected
-    r = p.compile_program(program, search=not args.no_search, target=args.target)
+    profile = p.calibrate(args.target)[0] if args.predict else None
+    r = p.compile_program(program, search=not args.no_search, target=args.target, target_profile=profile)
     out = {"program": str(program), "graph": str(r.graph), "manifest": str(r.manifest),
            "kernel_graph": str(r.kernel_graph), "bundle": str(r.bundle), "kernels": r.kernels,
            "peak_bytes": r.peak_bytes, "search": r.report.stop_reason, "nodes_before": r.report.nodes_before,
            "nodes_after": r.report.nodes_after, "cost_before": r.report.cost_before,
            "cost_after": r.report.cost_after, "rules_fired": {c.rule: c.matches for c in r.report.rulesets}}
+    if profile is not None:
+        out["target_profile"] = str(profile)
+        out["predicted_ms"] = r.report.predicted_s * 1e3
     print(json.dumps(out, indent=2))
     return 0
 
@@ -73,6 +77,14 @@ def _load_model(args):
         return load_program(path.read_bytes())
     raise ValueError(f"{args.model}: expected a .pt2 file written by torch.export.save or a Hugging Face "
                      "directory (config.json + *.safetensors)")
+
+
+def cmd_calibrate(args) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    d, profile = _pipeline(args).calibrate(args.target, force=args.force)
+    print(json.dumps({"profile": str(d), **MessageToDict(profile)}, indent=2))
+    return 0
 
 
 def cmd_ops(args) -> int:
@@ -159,7 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make the sequence dim symbolic up to this length (Hugging Face directories)")
     c.add_argument("--no-search", action="store_true", help="skip equality saturation (one kernel per op)")
     c.add_argument("--target", default="cpu")
+    c.add_argument("--predict", action="store_true",
+                   help="calibrate the target (once per machine kind) and report the predicted run time")
     c.set_defaults(fn=cmd_compile)
+    cal = sub.add_parser("calibrate", help="measure the target's cost-model constants (GEMM rates, bandwidth, "
+                                           "kernel overhead); kept in the store per target fingerprint")
+    cal.add_argument("--target", default="cpu")
+    cal.add_argument("--force", action="store_true", help="measure again even if the store has a profile")
+    cal.set_defaults(fn=cmd_calibrate)
     o = sub.add_parser("ops", help="list the ATen ops a model needs and which have no lowering (no compile)")
     o.add_argument("model", help="a .pt2 file, or a directory written by save_pretrained")
     o.add_argument("--batch", type=int, default=1)

@@ -106,9 +106,12 @@ class Pipeline:
         return r.graph, r.manifest
 
     def optimize(self, graph: Digest, search: bool = True, max_iterations: int = 0, max_enodes: int = 0,
-                 time_budget_s: float = 0.0) -> tuple[Digest, services_pb2.OptimizeReport]:
+                 time_budget_s: float = 0.0, target_profile: Optional[Digest] = None
+                 ) -> tuple[Digest, services_pb2.OptimizeReport]:
         req = services_pb2.OptimizeRequest(graph=graph.to_pb(), search=search, max_iterations=max_iterations,
                                            max_enodes=max_enodes, time_budget_s=time_budget_s)
+        if target_profile is not None:
+            req.target_profile.CopyFrom(target_profile.to_pb())
         if "optimizer" in self.addresses:
             r = _call(self._stub("optimizer").Optimize, req, self.timeout)
             return Digest.from_pb(r.kernel_graph), r.report
@@ -140,12 +143,34 @@ class Pipeline:
             return [(t.name, array_from_pb(t, self.store)) for t in r.outputs]
         return self._local_executor().run(session, inputs)
 
+    def calibrate(self, target: str = "cpu", force: bool = False) -> tuple[Digest, services_pb2.TargetProfile]:
+        """The target's measured cost-model constants (measured once per target fingerprint)."""
+        if "executor" in self.addresses:
+            r = _call(self._stub("executor").Calibrate, services_pb2.CalibrateRequest(target=target, force=force),
+                      self.timeout)
+            return Digest.from_pb(r.profile), r.target_profile
+        from executor_svc.calibrate import calibrate
+
+        d, p, _ = calibrate(self.store, target, force)
+        return d, p
+
+    def profile(self, bundles: Sequence[Digest], manifest: Digest, repeats: int = 20,
+                symbols: Optional[dict] = None) -> list[tuple[Digest, float, float]]:
+        """Time candidate bundles on the executor: (bundle, median s, min s) each."""
+        if "executor" in self.addresses:
+            req = services_pb2.ProfileRequest(bundles=[b.to_pb() for b in bundles], manifest=manifest.to_pb(),
+                                              repeats=repeats, symbols=symbols or {})
+            r = _call(self._stub("executor").Profile, req, self.timeout)
+            return [(Digest.from_pb(t.bundle), t.median_s, t.min_s) for t in r.timings]
+        return self._local_executor().profile(bundles, manifest, repeats, symbols)
+
     # ---- whole compiles ----
 
-    def compile_program(self, program: Digest, search: bool = True, target: str = "cpu") -> CompileResult:
+    def compile_program(self, program: Digest, search: bool = True, target: str = "cpu",
+                        target_profile: Optional[Digest] = None) -> CompileResult:
         with span("kiln.compile_program", **{"kiln.program": str(program), "kiln.remote": self.remote}):
             graph, manifest = self.import_program(program)
-            kg, report = self.optimize(graph, search=search)
+            kg, report = self.optimize(graph, search=search, target_profile=target_profile)
             bundle, kernels, peak = self.emit(kg, target)
         return CompileResult(graph, manifest, kg, bundle, report, kernels, peak)
 

@@ -7,14 +7,17 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kiln import cache
-from kiln.digest import Digest
+from kiln.digest import Digest, digest_message
 from kiln.errors import InvalidArgument, ResourceExhausted
 from kiln.ir.kernel import kernel_graph_to_pb
-from kiln.ir.serialize import graph_from_pb
+from kiln.ir.graph import Graph
+from kiln.ir.serialize import graph_from_pb, graph_to_pb
 from kiln.store import BlobStore
 from kiln.telemetry import span
 from kiln.v1 import ir_pb2, services_pb2
+from optimizer_svc.cost import predict
 from optimizer_svc.partition import partition
+from optimizer_svc.regions import RegionCycle, assemble, canonical, split
 from optimizer_svc.search import SearchLimits, SearchReport, graph_cost, saturate
 
 STAGE_VERSION = "optimizer-1-" + cache.code_version("optimizer_svc", "kiln.ir")
@@ -28,10 +31,12 @@ class OptimizeOptions:
     max_enodes: int = 200_000
     time_budget_s: float = 30.0
     search: bool = True
+    target_profile: Optional[Digest] = None  # Executor.Calibrate's TargetProfile: predict run time
 
     def canonical(self) -> dict:
         return {"max_iterations": self.max_iterations, "max_enodes": self.max_enodes,
-                "time_budget_s": self.time_budget_s, "search": self.search}
+                "time_budget_s": self.time_budget_s, "search": self.search,
+                "target_profile": str(self.target_profile) if self.target_profile else ""}
 
 
 def check_options(o: OptimizeOptions) -> None:
@@ -40,6 +45,60 @@ def check_options(o: OptimizeOptions) -> None:
     if o.max_iterations > MAX_ITERATIONS_CAP or o.max_enodes > MAX_ENODES_CAP:
         raise ResourceExhausted(f"search bounds over the server's caps (iterations <= {MAX_ITERATIONS_CAP}, "
                                 f"e-nodes <= {MAX_ENODES_CAP})")
+
+
+@dataclass
+class RegionStats:
+    regions: int = 0
+    distinct: int = 0
+    cache_hits: int = 0  # distinct structures whose saturation the action cache already held
+
+
+_STOP_ORDER = ("saturated", "iteration limit", "e-node limit", "time budget", "deadline")
+
+
+def saturate_regions(store: BlobStore, graph: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport, RegionStats]:
+    """Saturate each distinct region structure once (regions.py), from the action cache when an
+    earlier compile or another replica already did; the time budget is shared by all of them."""
+    regions = split(graph)
+    canon = {r.name: canonical(graph, r) for r in regions}
+    digests = {name: digest_message(graph_to_pb(cg)) for name, cg in canon.items()}
+    stats = RegionStats(regions=len(regions), distinct=len(set(digests.values())))
+    report = SearchReport(stop_reason="saturated")
+    done: dict[Digest, Graph] = {}
+    t0 = time.monotonic()
+    bounds = {"max_iterations": limits.max_iterations, "max_enodes": limits.max_enodes}
+    for name, d in digests.items():
+        if d in done:
+            continue
+        key = cache.action_key("saturate-region", STAGE_VERSION, {"region": d}, bounds)
+        hit = cache.lookup(store, key)
+        if hit is not None:
+            done[d] = graph_from_pb(store.get_message(hit["graph"], ir_pb2.Graph))
+            stats.cache_hits += 1
+            continue
+        left = SearchLimits(limits.max_iterations, limits.max_enodes,
+                            max(0.0, limits.time_budget_s - (time.monotonic() - t0)), limits.deadline)
+        with span("optimizer.region", **{"kiln.region": name, "kiln.structure": str(d)}):
+            opt, rep = saturate(canon[name], left)
+        done[d] = opt
+        report.iterations += rep.iterations
+        for k, v in rep.rules.items():
+            report.rules[k] = report.rules.get(k, 0) + v
+        for k, v in rep.rulesets.items():
+            report.rulesets[k] = report.rulesets.get(k, 0) + v
+        report.stop_reason = max(report.stop_reason, rep.stop_reason, key=_STOP_ORDER.index)
+        if rep.stop_reason == "saturated":  # a bounded result is not the structure's answer
+            cache.record(store, key, {"graph": store.put_message(graph_to_pb(opt))})
+    try:
+        out = assemble(graph, regions, {name: done[d] for name, d in digests.items()})
+    except RegionCycle:  # regions feed each other both ways: no split, one saturation
+        out, report = saturate(graph, SearchLimits(limits.max_iterations, limits.max_enodes,
+                                                   max(0.0, limits.time_budget_s - (time.monotonic() - t0)),
+                                                   limits.deadline))
+        stats = RegionStats(regions=1, distinct=1)
+    report.seconds = time.monotonic() - t0
+    return out, report, stats
 
 
 def optimize(store: BlobStore, graph_d: Digest, options: OptimizeOptions,
@@ -57,9 +116,9 @@ def optimize(store: BlobStore, graph_d: Digest, options: OptimizeOptions,
     with span("optimizer.search", **{"kiln.graph": str(graph_d), "kiln.search": options.search}) as s:
         if options.search:
             limits = SearchLimits(options.max_iterations, options.max_enodes, options.time_budget_s, deadline)
-            optimized, rep = saturate(graph, limits)
+            optimized, rep, dedup = saturate_regions(store, graph, limits)
         else:
-            optimized, rep = graph, SearchReport(stop_reason="search off")
+            optimized, rep, dedup = graph, SearchReport(stop_reason="search off"), RegionStats()
         kg = partition(optimized, fuse=options.search)
         s.set_attribute("kiln.stop_reason", rep.stop_reason)
         s.set_attribute("kiln.cost_before", graph_cost(graph))
@@ -69,7 +128,14 @@ def optimize(store: BlobStore, graph_d: Digest, options: OptimizeOptions,
     report = services_pb2.OptimizeReport(stop_reason=rep.stop_reason, nodes_before=len(graph.nodes),
                                          nodes_after=len(optimized.nodes), kernels=len(kg.kernels),
                                          seconds=time.monotonic() - t0, cost_before=graph_cost(graph),
-                                         cost_after=graph_cost(optimized))
+                                         cost_after=graph_cost(optimized), regions=dedup.regions,
+                                         distinct_regions=dedup.distinct, region_cache_hits=dedup.cache_hits)
+    if options.target_profile is not None:
+        profile = store.get_message(options.target_profile, services_pb2.TargetProfile)
+        costs = predict(kg, profile)
+        report.predicted_s = sum(c.seconds for c in costs)
+        for c in costs:
+            report.kernel_predictions.add(kernel=c.kernel, kind=c.kind, seconds=c.seconds, bound=c.bound)
     for it in rep.iterations:
         report.iterations.add(iteration=it.iteration, enodes=it.enodes, eclasses=it.eclasses,
                               rules_fired=it.rules_fired)

@@ -11,7 +11,8 @@ def options_from_request(r: services_pb2.OptimizeRequest) -> OptimizeOptions:
     d = OptimizeOptions()
     return OptimizeOptions(max_iterations=r.max_iterations or d.max_iterations,
                            max_enodes=r.max_enodes or d.max_enodes,
-                           time_budget_s=r.time_budget_s or d.time_budget_s, search=r.search)
+                           time_budget_s=r.time_budget_s or d.time_budget_s, search=r.search,
+                           target_profile=Digest.from_pb(r.target_profile) if r.HasField("target_profile") else None)
 
 
 class OptimizerServicer(services_pb2_grpc.OptimizerServicer):

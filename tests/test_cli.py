@@ -109,3 +109,14 @@ def test_ops_lists_needs_and_missing(tmp_path):
     sort = next(l for l in lines if l.startswith("aten.sort.default"))
     assert "MISSING" in sort and "test_cli.py" in sort
     assert lines[-1].endswith("1 missing")
+
+
+def test_calibrate_then_compile_with_a_prediction(compiled_mlp):
+    d, env, out, model, x = compiled_mlp
+    first = json.loads(kiln_cli("calibrate", env=env).stdout)
+    assert first["target"] == "cpu" and len(first["gemm"]) == 4 and first["bandwidthGbs"] > 0
+    again = json.loads(kiln_cli("calibrate", env=env).stdout)
+    assert again["profile"] == first["profile"]  # measured once per fingerprint, then read from the store
+    predicted = json.loads(kiln_cli("compile", str(d / "mlp.pt2"), "--predict", env=env).stdout)
+    assert predicted["target_profile"] == first["profile"] and predicted["predicted_ms"] > 0
+    assert predicted["bundle"] == out["bundle"]  # a prediction does not change the program

@@ -41,6 +41,17 @@ class GraphBuilder:
         self._index[key] = len(self.nodes) - 1
         return NodeId(len(self.nodes) - 1)
 
+    def copy(self, node: Node, inputs) -> int:
+        """The same operation as `node` on new inputs (shapes and dtypes are the node's own)."""
+        if node.op is Op.INPUT:
+            return self.input(node.name, node.shape, node.dtype)
+        if node.op is Op.WEIGHT:
+            return self.weight(node.name, node.shape, node.dtype)
+        if node.op is Op.VIEW and node.view.is_contiguous_of(self.shape(inputs[0])):
+            return NodeId(inputs[0])
+        return self._add(Node(node.op, tuple(inputs), node.shape, node.dtype, node.name, node.value, node.view,
+                              node.axis))
+
     # ---- leaves ----
     def input(self, name: str, shape: Shape, dtype: DType) -> int:
         spec = TensorSpec(name, tuple(shape), dtype)

@@ -1,0 +1,110 @@
+"""Calibrate: measure the constants of the optimizer's roofline cost model on this target.
+
+A TargetProfile holds GEMM GFLOP/s per shape class (BLAS through numba, as generated GEMM
+kernels call it), streaming memory bandwidth, elementwise throughput and the fixed cost of
+one kernel (a parallel region with almost no work). It is measured once per target
+fingerprint (target, CPU model, core count, numba and numpy versions) and kept in the store
+under an action-cache key, so every replica on the same kind of node shares it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+
+from kiln import cache
+from kiln.digest import Digest
+from kiln.errors import FailedPrecondition
+from kiln.store import BlobStore
+from kiln.telemetry import span
+from kiln.v1 import services_pb2
+
+CALIBRATE_VERSION = "calibrate-1"
+# (class, M, N, K): decode-step GEMV, small tiles, a BERT-base-sized projection, a square block
+GEMM_CLASSES = (("gemv", 1, 1536, 384), ("small", 64, 64, 64), ("projection", 512, 1536, 384),
+                ("square", 512, 512, 512))
+STREAM_ELEMENTS = 1 << 24  # 64 MB per f32 array: far beyond any cache
+
+
+def fingerprint(target: str) -> str:
+    import numba
+
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    text = f"{target}|{cpu}|{os.cpu_count()}|numba {numba.__version__}|numpy {np.__version__}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up (and compile)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(target: str = "cpu", repeats: int = 7) -> services_pb2.TargetProfile:
+    if target != "cpu":
+        raise FailedPrecondition(f"this executor calibrates the cpu target, not {target!r}")
+    from numba import njit, prange
+
+    @njit(cache=False, nogil=True)
+    def gemm(a, b, c):
+        np.dot(a, b, c)
+
+    @njit(parallel=True, cache=False, nogil=True)
+    def triad(a, b, c):  # c = a + 2b: 12 bytes moved per element
+        for i in prange(a.size):
+            c[i] = a[i] + np.float32(2.0) * b[i]
+
+    @njit(parallel=True, cache=False, nogil=True)
+    def tiny(a):
+        for i in prange(a.size):
+            a[i] += np.float32(1.0)
+
+    t0 = time.perf_counter()
+    p = services_pb2.TargetProfile(target=target, fingerprint=fingerprint(target))
+    rng = np.random.default_rng(0)
+    for name, m, n, k in GEMM_CLASSES:
+        a = rng.standard_normal((m, k), dtype=np.float32)
+        b = rng.standard_normal((k, n), dtype=np.float32)
+        c = np.empty((m, n), np.float32)
+        s = _median_seconds(lambda: gemm(a, b, c), repeats)
+        p.gemm.add(shape_class=name, m=m, n=n, k=k, gflops=2.0 * m * n * k / s / 1e9)
+    x = np.ones(STREAM_ELEMENTS, np.float32)
+    y = np.ones(STREAM_ELEMENTS, np.float32)
+    z = np.empty(STREAM_ELEMENTS, np.float32)
+    s = _median_seconds(lambda: triad(x, y, z), repeats)
+    p.bandwidth_gbs = 12.0 * STREAM_ELEMENTS / s / 1e9
+    p.elementwise_gelems = STREAM_ELEMENTS / s / 1e9
+    small = np.zeros(16, np.float32)
+    p.kernel_overhead_us = _median_seconds(lambda: tiny(small), 50 * repeats) * 1e6
+    p.measured_s = time.perf_counter() - t0
+    return p
+
+
+def calibrate(store: BlobStore, target: str = "cpu", force: bool = False) -> tuple[Digest, services_pb2.TargetProfile, bool]:
+    """The target's profile digest, the profile, and whether it came from the store."""
+    fp = fingerprint(target)
+    key = cache.action_key("calibrate", CALIBRATE_VERSION, {}, {"target": target, "fingerprint": fp})
+    if not force:
+        hit = cache.lookup(store, key)
+        if hit is not None:
+            return hit["profile"], store.get_message(hit["profile"], services_pb2.TargetProfile), True
+    with span("executor.calibrate", **{"kiln.target": target, "kiln.fingerprint": fp}) as s:
+        p = measure(target)
+        d = store.put_message(p)
+        s.set_attribute("kiln.profile", str(d))
+    cache.record(store, key, {"profile": d})
+    return d, p, False

@@ -1,0 +1,64 @@
+"""The roofline cost model: predicted run time of a KernelGraph on a measured target.
+
+Each kernel costs the larger of its compute time and its memory time, plus the target's fixed
+cost per kernel. A GEMM computes 2·B·M·N·K flops at the GFLOP/s that Calibrate measured for
+the nearest shape class (by log of M·N·K; a single-row GEMM uses the GEMV class); every kernel
+moves its output and the buffers it reads once at the measured bandwidth, and elementwise
+work runs at the measured elementwise rate. Symbolic dims take their largest binding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kiln.ir.kernel import KernelGraph, gemm_axes
+from kiln.ir.shape import evaluate_dim, numel
+from kiln.v1 import services_pb2
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    kernel: str
+    kind: str
+    seconds: float
+    bound: str  # compute | memory | overhead
+
+
+def gemm_rate(profile: services_pb2.TargetProfile, m: int, n: int, k: int) -> float:
+    """GFLOP/s for an M×N×K GEMM: the measured class nearest in log(M·N·K), GEMV for M or N = 1."""
+    if not profile.gemm:
+        raise ValueError("target profile has no GEMM rates")
+    if min(m, n) == 1:
+        gemv = [g for g in profile.gemm if g.m == 1 or g.n == 1]
+        if gemv:
+            return gemv[0].gflops
+    size = math.log(max(m * n * k, 1))
+    return min(profile.gemm, key=lambda g: abs(math.log(g.m * g.n * g.k) - size)).gflops
+
+
+def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[KernelCost]:
+    g = kg.graph
+    env = {name: hi for name, _, hi in g.symbols}
+    elems = lambda i: evaluate_dim(numel(g.nodes[i].shape), env)  # noqa: E731
+    overhead = profile.kernel_overhead_us * 1e-6
+    bw = max(profile.bandwidth_gbs, 1e-3) * 1e9
+    rate = max(profile.elementwise_gelems, 1e-3) * 1e9
+    out = []
+    for k in kg.kernels:
+        moved = (elems(k.output) * g.nodes[k.output].dtype.itemsize
+                 + sum(elems(j) * g.nodes[j].dtype.itemsize for j in k.reads))
+        memory = moved / bw
+        if k.kind == "gemm":
+            ga = gemm_axes(g, k.output)
+            shape = [evaluate_dim(d, env) for d in g.nodes[g.nodes[k.output].inputs[0]].shape]
+            prod = lambda axes: math.prod(shape[a] for a in axes)  # noqa: E731
+            m, n, kk, batch = prod(ga.m_axes), prod(ga.n_axes), shape[g.nodes[k.output].axis], prod(ga.batch_axes)
+            compute = 2.0 * batch * m * n * kk / (gemm_rate(profile, m, n, kk) * 1e9)
+        else:
+            work = elems(g.nodes[k.output].inputs[0]) if k.kind == "reduce" else elems(k.output)
+            compute = work * max(1, len(k.nodes)) / rate
+        body = max(compute, memory)
+        bound = "overhead" if overhead > body else ("compute" if compute >= memory else "memory")
+        out.append(KernelCost(k.name, k.kind, body + overhead, bound))
+    return out

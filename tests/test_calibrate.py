@@ -1,0 +1,75 @@
+"""Executor.Calibrate (the cost model's measured constants), the roofline prediction in the
+optimizer's report, and Executor.Profile timing candidate bundles."""
+
+import grpc
+import pytest
+import torch
+
+import kiln
+from kiln.digest import Digest
+from kiln.examples import mlp_example
+from kiln.v1 import services_pb2
+
+
+def test_calibrate_measures_once_per_fingerprint(file_store):
+    from executor_svc.calibrate import GEMM_CLASSES, calibrate, fingerprint
+
+    d, p, cached = calibrate(file_store)
+    assert not cached and p.fingerprint == fingerprint("cpu") and p.target == "cpu"
+    assert [g.shape_class for g in p.gemm] == [c[0] for c in GEMM_CLASSES]
+    assert all(g.gflops > 0.05 for g in p.gemm)  # real BLAS: far above a naive scalar loop
+    assert p.bandwidth_gbs > 0.1 and p.elementwise_gelems > 0 and 0 < p.kernel_overhead_us < 1e5
+    d2, p2, cached2 = calibrate(file_store)
+    assert cached2 and d2 == d and p2 == p
+
+
+def test_optimizer_predicts_run_time_per_kernel(local_pipeline):
+    model, inputs = mlp_example()
+    profile_d, profile = local_pipeline.calibrate()
+    ep = torch.export.export(model, inputs)
+    graph, _ = local_pipeline.import_program(local_pipeline.upload_program(ep))
+    _, plain = local_pipeline.optimize(graph)
+    assert plain.predicted_s == 0 and not plain.kernel_predictions  # no profile, no prediction
+    _, report = local_pipeline.optimize(graph, target_profile=profile_d)
+    assert report.kernels == len(report.kernel_predictions) > 0
+    assert report.predicted_s == pytest.approx(sum(k.seconds for k in report.kernel_predictions))
+    overhead = profile.kernel_overhead_us * 1e-6
+    assert all(k.seconds >= overhead and k.bound in ("compute", "memory", "overhead")
+               for k in report.kernel_predictions)
+    assert any(k.kind == "gemm" for k in report.kernel_predictions)
+
+
+def test_gemm_rate_picks_the_nearest_class():
+    from optimizer_svc.cost import gemm_rate
+
+    p = services_pb2.TargetProfile(gemm=[services_pb2.GemmRate(shape_class="gemv", m=1, n=1536, k=384, gflops=5),
+                                         services_pb2.GemmRate(shape_class="small", m=64, n=64, k=64, gflops=20),
+                                         services_pb2.GemmRate(shape_class="big", m=512, n=512, k=512, gflops=100)])
+    assert gemm_rate(p, 1, 512, 512) == 5
+    assert gemm_rate(p, 48, 64, 80) == 20
+    assert gemm_rate(p, 400, 600, 500) == 100
+
+
+def test_profile_times_candidates_over_grpc(remote_pipeline):
+    model, inputs = mlp_example()
+    searched = kiln.compile(model, inputs, pipeline=remote_pipeline)
+    unsearched = kiln.compile(model, inputs, pipeline=remote_pipeline, search=False)
+    r1, r2 = searched.result, unsearched.result
+    timings = remote_pipeline.profile([r1.bundle, r2.bundle], r1.manifest, repeats=5)
+    assert [t[0] for t in timings] == [r1.bundle, r2.bundle]
+    assert all(0 < lo <= med for _, med, lo in timings)
+    d, p = remote_pipeline.calibrate()
+    assert remote_pipeline.store.get_message(d, services_pb2.TargetProfile) == p
+
+
+def test_profile_rejects_bad_requests(remote_pipeline):
+    from kiln.errors import InvalidArgument, NotFound
+
+    model, inputs = mlp_example()
+    r = kiln.compile(model, inputs, pipeline=remote_pipeline).result
+    with pytest.raises(InvalidArgument, match="repeats"):
+        remote_pipeline.profile([r.bundle], r.manifest, repeats=-3)
+    with pytest.raises(InvalidArgument, match="at least one bundle"):
+        remote_pipeline.profile([], r.manifest)
+    with pytest.raises(NotFound):
+        remote_pipeline.profile([Digest("0" * 64, 10)], r.manifest)
