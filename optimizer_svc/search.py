@@ -8,9 +8,9 @@ Graph through GraphBuilder so shapes and dtypes are re-inferred and checked.
 
 from __future__ import annotations
 
-import gc
 import json
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -137,11 +137,14 @@ class _Encoder:
 
 
 def saturate(g: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport]:
+    # an egglog EGraph must be freed on the thread that made it (gRPC workers are a pool): it
+    # holds no reference cycle, so returning frees it; on an error, so does clearing the frames
+    # the traceback keeps (a full gc.collect per call is slow in a large process)
     try:
         return _saturate(g, limits)
-    finally:
-        # an egglog EGraph must be freed on the thread that made it (gRPC workers are a pool)
-        gc.collect()
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)
+        raise
 
 
 def _saturate(g: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport]:
