@@ -20,9 +20,14 @@ import torch
 def models(layers: int):
     from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+    from kiln.examples import encoder_example, mlp_example
     from kiln.hf import ModelOutputTensor
 
     torch.manual_seed(0)
+    m, (x,) = mlp_example()
+    yield "MLP (example)", _Positional(m), {"x": x}
+    m, (x,) = encoder_example()
+    yield "encoder (example, 2 layers, d 64)", _Positional(m), {"x": x}
     ids = torch.randint(0, 1000, (1, 32))
     yield f"tiny Llama ({layers} layers, hidden 128)", ModelOutputTensor(LlamaForCausalLM(LlamaConfig(
         vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
@@ -32,6 +37,17 @@ def models(layers: int):
     yield f"tiny BERT ({layers} layers, hidden 128)", ModelOutputTensor(BertModel(BertConfig(
         vocab_size=1000, hidden_size=128, num_hidden_layers=layers, num_attention_heads=4,
         intermediate_size=256)).eval()), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+class _Positional(torch.nn.Module):
+    """A module taking one positional tensor, called with keyword `x` like the others."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        return self.m(x)
 
 
 def main() -> int:

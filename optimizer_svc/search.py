@@ -8,9 +8,9 @@ Graph through GraphBuilder so shapes and dtypes are re-inferred and checked.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -137,21 +137,20 @@ class _Encoder:
 
 
 def saturate(g: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport]:
-    # an egglog EGraph must be freed on the thread that made it (gRPC workers are a pool): it
-    # holds no reference cycle, so returning frees it; on an error, so does clearing the frames
-    # the traceback keeps (a full gc.collect per call is slow in a large process)
+    eg = EGraph()
     try:
-        return _saturate(g, limits)
-    except BaseException as e:
-        traceback.clear_frames(e.__traceback__)
-        raise
+        return _saturate(g, limits, eg)
+    finally:
+        # an egglog EGraph must be freed on the thread that made it (gRPC workers are a pool);
+        # its Python state sits in reference cycles, so only a collection here frees it
+        del eg
+        gc.collect()
 
 
-def _saturate(g: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport]:
+def _saturate(g: Graph, limits: SearchLimits, eg: EGraph) -> tuple[Graph, SearchReport]:
     t0 = time.monotonic()
     report = SearchReport()
     enc = _Encoder(g)
-    eg = EGraph()
     refs = []
     with span("optimizer.encode", **{"kiln.nodes": len(g.nodes)}):
         for i, n in enumerate(g.nodes):
