@@ -9,7 +9,10 @@ Comparisons and Mod read only inputs and constants, so a reassociated rounding c
 flip a branch and turn a few ulp into a wrong-looking answer.
 """
 
+import gc
+
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -71,6 +74,16 @@ def build(steps):
         vals.append(r)
     outs = [vals[-1]] if len(vals) < 4 else [vals[-1], vals[len(vals) // 2]]
     return b.build(outs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def frozen_heap():
+    """Each saturation ends with a gc.collect (search.py); freezing what earlier tests left in
+    this process keeps those collections to the objects the saturation made."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 step = st.tuples(st.sampled_from(STEPS), st.integers(0, 30), st.integers(0, 30), st.integers(0, 30))
