@@ -136,6 +136,28 @@ class _KernelWriter:
         self.inside = set(kernel.nodes)
         self.reads = {j: f"r{n}" for n, j in enumerate(kernel.reads)}
         self.consts = consts
+        # index temporaries the next statement needs (a view chain that does not compose is
+        # walked level by level; naming each level's flat index keeps the expression linear in
+        # the chain's length instead of growing as dims ** levels)
+        self.lets: dict[str, str] = {}
+
+    def let(self, expr: str) -> str:
+        if expr.isidentifier() or expr.isdigit():
+            return expr
+        for name, e in self.lets.items():
+            if e == expr:
+                return name
+        name = f"x{len(self.lets)}"
+        self.lets[name] = expr
+        return name
+
+    def statement(self, pad: str, make) -> list[str]:
+        """`make()` builds a statement from value expressions; the temporaries they named come first."""
+        self.lets = {}
+        text = make()
+        lines = [pad + f"{name} = {e}" for name, e in self.lets.items()] + [pad + text]
+        self.lets = {}
+        return lines
 
     def const(self, value: float, dtype: DType) -> str:
         if dtype is DType.BOOL:
@@ -226,7 +248,7 @@ class _KernelWriter:
             if inner is not None and root in self.reads:
                 val = self.load(self.g.nodes[root].dtype, f"{self.reads[root]}[{flat}]")
                 break
-            cur = self.unravel(flat, src_shape)
+            cur = self.unravel(self.let(flat), src_shape)
         else:
             val = self.value(root, cur)
         if conds:
@@ -284,8 +306,8 @@ class _KernelWriter:
     def emit_elementwise(self):
         n = self.g.nodes[self.k.output]
         lines, idx, depth = self.loops(n.shape, parallel=self.k.parallel)
-        lines.append("    " * depth + f"out[{self.flat(n.shape, idx)}] = "
-                     f"{self.store(n.dtype, self.value(self.k.output, tuple(idx)))}")
+        lines += self.statement("    " * depth, lambda: f"out[{self.flat(n.shape, idx)}] = "
+                                f"{self.store(n.dtype, self.value(self.k.output, tuple(idx)))}")
         return lines
 
     def emit_reduce(self):
@@ -301,7 +323,7 @@ class _KernelWriter:
         ridx = list(idx)
         ridx[n.axis] = "ra"
         lines.append(pad + f"for ra in range({_d(in_shape[n.axis])}):")
-        lines.append(pad + f"    v = {self.value(src, tuple(ridx))}")
+        lines += self.statement(pad + "    ", lambda: f"v = {self.value(src, tuple(ridx))}")
         if is_max:
             # NaN is sticky, as in torch.max: once acc is NaN nothing replaces it
             test = "(v > acc or v != v) and acc == acc" if n.dtype.is_float else "v > acc"
@@ -399,32 +421,36 @@ class _KernelWriter:
         src_shape = self.g.nodes[src].shape
         lines, idx, depth = self.loops(n.shape)
         pad = "    " * depth
-        lines += _checked_index(pad, self.value(index, tuple(idx)), src_shape[n.axis], "Gather")
+        lines += self.statement(pad, lambda: f"j = np.int64({self.value(index, tuple(idx))})")
+        lines += _checked_index(pad, src_shape[n.axis], "Gather")
         sidx = list(idx)
         sidx[n.axis] = "j"
-        lines.append(pad + f"out[{self.flat(n.shape, idx)}] = {self.store(n.dtype, self.value(src, tuple(sidx)))}")
+        lines += self.statement(pad, lambda: f"out[{self.flat(n.shape, idx)}] = "
+                                f"{self.store(n.dtype, self.value(src, tuple(sidx)))}")
         return lines
 
     def emit_scatter(self):
         n = self.g.nodes[self.k.output]
         dst, index, src = n.inputs
         lines, idx, depth = self.loops(n.shape)
-        lines.append("    " * depth + f"out[{self.flat(n.shape, idx)}] = {self.store(n.dtype, self.value(dst, tuple(idx)))}")
+        lines += self.statement("    " * depth, lambda: f"out[{self.flat(n.shape, idx)}] = "
+                                f"{self.store(n.dtype, self.value(dst, tuple(idx)))}")
         src_shape = self.g.nodes[index].shape
         loops, sidx, d2 = self.loops(src_shape)
         lines += loops
         pad = "    " * d2
-        lines += _checked_index(pad, self.value(index, tuple(sidx)), n.shape[n.axis], "Scatter")
+        lines += self.statement(pad, lambda: f"j = np.int64({self.value(index, tuple(sidx))})")
+        lines += _checked_index(pad, n.shape[n.axis], "Scatter")
         oidx = list(sidx)
         oidx[n.axis] = "j"
-        lines.append(pad + f"out[{self.flat(n.shape, oidx)}] = {self.store(n.dtype, self.value(src, tuple(sidx)))}")
+        lines += self.statement(pad, lambda: f"out[{self.flat(n.shape, oidx)}] = "
+                                f"{self.store(n.dtype, self.value(src, tuple(sidx)))}")
         return lines
 
 
-def _checked_index(pad: str, expr: str, size, op: str) -> list[str]:
-    """`j` = a data-dependent index; outside [0, size) raises (as torch does), never reads out of bounds."""
-    return [pad + f"j = np.int64({expr})",
-            pad + f"if j < 0 or j >= {_d(size)}:",
+def _checked_index(pad: str, size, op: str) -> list[str]:
+    """The data-dependent index `j` outside [0, size) raises (as torch does), never reads out of bounds."""
+    return [pad + f"if j < 0 or j >= {_d(size)}:",
             pad + f"    raise IndexError('{op} index out of range')"]
 
 
