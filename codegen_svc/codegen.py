@@ -38,7 +38,7 @@ def emit(store: BlobStore, kg_d: Digest, target: str = "cpu") -> tuple[Digest, i
                            kernel_graph=kg_d.to_pb(), output_tree=g.output_tree,
                            output_names=list(g.output_names))
     for k in prog.kernels:
-        bundle.kernels.add(name=k.name, kind=k.kind, source=k.source)
+        bundle.kernels.add(name=k.name, kind=k.kind, source=k.source, symbol=k.symbol)
     for t in g.inputs:
         tensor_spec_to_pb(t, bundle.inputs.add())
     for t in prog.outputs:

@@ -4,12 +4,19 @@ Every buffer is a flat contiguous array; views become index arithmetic. Elementw
 one expression per output element (masked views are conditional expressions, so padding
 never reads out of bounds). The entry function allocates buffers from the memory plan and
 calls the kernels in order, with no Python between kernels.
+
+Each kernel is its own module, named by the hash of its text (`kiln_k_<hash>`, function
+`k_<hash>`): numba's disk cache keys compiled code by module file, so a kernel that two
+bundles share (two candidates of one search, two layers' worth of the same shape, a
+recompile) is compiled once per machine. The entry module imports the kernels it calls.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -20,8 +27,11 @@ from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import SYMBOL_PREFIX, Dim, contiguous_strides, numel, render_dim
 from kiln.ir.view import ViewSpec
 from kiln.telemetry import span
-from kiln.ir.kernel import Kernel, KernelGraph, compose_chain, gemm_axes, view_root
+from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, compose_chain, gemm_axes, name_kernel,
+                             view_root)
 from codegen_svc.memory import MemoryPlan, plan_memory
+
+GEMM_CHUNKS = 16  # row blocks a parallel GEMM is split into (numba's pool takes them in turn)
 
 # buffer element types; f16 and bf16 are stored as their 16-bit words (numba has no
 # half-precision arithmetic on CPU) and computed in f32 inside a kernel
@@ -100,15 +110,29 @@ def _rb(x):
 
 @dataclass(frozen=True)
 class EmittedKernel:
-    name: str
+    name: str    # the KernelGraph's name for it
     kind: str
-    source: str
+    source: str  # a whole module defining `symbol`
+    symbol: str  # k_<hash of the module text>
+
+    @property
+    def module(self) -> str:
+        return "kiln_" + self.symbol
+
+
+_HELPER_USE = re.compile(r"\b_(h2f|f2h|b2f|f2b|rh|rb)\(")
+def kernel_module(function_source: str, consts: dict) -> tuple[str, str]:
+    """(symbol, module text) for one kernel whose function is named KERNEL_PLACEHOLDER: the module
+    holds its constants and, when it uses them, the 16-bit float helpers."""
+    const_lines = "\n".join(line for _, line in consts.values())
+    helpers = HALF_HELPERS if _HELPER_USE.search(function_source) else ""
+    return name_kernel(HEADER + helpers + "\n" + const_lines + "\n\n\n" + function_source)
 
 
 @dataclass(frozen=True)
 class CpuProgram:
     kernels: tuple[EmittedKernel, ...]
-    module_source: str
+    module_source: str  # the entry module
     entry: str
     memory: MemoryPlan
     outputs: tuple[TensorSpec, ...]
@@ -301,7 +325,7 @@ class _KernelWriter:
                 "gather": self.emit_gather, "scatter": self.emit_scatter}[kind]()
         par = "True" if self.k.parallel else "False"
         head = f"@njit(cache=True, parallel={par}, error_model='numpy', nogil=True)\n"
-        return head + f"def {self.k.name}({self.signature()}):\n" + "\n".join(body) + "\n"
+        return head + f"def {KERNEL_PLACEHOLDER}({self.signature()}):\n" + "\n".join(body) + "\n"
 
     def emit_elementwise(self):
         n = self.g.nodes[self.k.output]
@@ -340,27 +364,39 @@ class _KernelWriter:
         r = self.g.nodes[self.k.output]
         mul = self.g.nodes[r.inputs[0]]
         gm = gemm_axes(self.g, self.k.output)
-        ra, sa, rb, sb = gm.a_root, gm.a_spec, gm.b_root, gm.b_spec
         m_axes, n_axes, b_axes = list(gm.m_axes), list(gm.n_axes), list(gm.batch_axes)
         F = mul.shape
         k = r.axis
         prod = lambda axes: numel(tuple(F[j] for j in axes))
         Bt, Mt, Nt, K = prod(b_axes), prod(m_axes), prod(n_axes), F[k]
         lines = []
-        la, a_at = self._operand("A", self.reads[ra], sa, b_axes, m_axes, k, F, Bt, Mt, K, r.dtype)
-        lb, b_at = self._operand("B", self.reads[rb], sb, b_axes, n_axes, k, F, Bt, Nt, K, r.dtype)
+        la, a_at, a_rows = self._operand("A", gm.a_node, gm.a_root, gm.a_spec, b_axes, m_axes, k, F, Bt, Mt, K,
+                                         r.dtype)
+        lb, b_at, _ = self._operand("B", gm.b_node, gm.b_root, gm.b_spec, b_axes, n_axes, k, F, Bt, Nt, K,
+                                    r.dtype)
         lines += la + lb
         out_strides = contiguous_strides(r.shape)
         want = contiguous_strides(tuple(F[j] for j in b_axes + m_axes + n_axes))
         have = tuple(out_strides[j] for j in b_axes + m_axes + n_axes)
-        if have == want and not r.dtype.is_half:
-            lines.append(f"    C3 = out[0:{_d(numel(r.shape))}].reshape(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}))")
-            lines.append(f"    for bi in range({_d(Bt)}):")
-            lines.append(f"        np.dot({a_at}, {b_at}, C3[bi])")
+        direct = have == want and not r.dtype.is_half
+        if direct:
+            lines.append(f"    C = out[0:{_d(numel(r.shape))}].reshape(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}))")
+        else:
+            lines.append(f"    C = np.empty(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}), dtype={_COMPUTE[r.dtype]})")
+        if self.k.parallel and Bt == 1 and a_rows:
+            # split M across the pool: each thread multiplies a block of A's rows (BLAS runs
+            # single-threaded beside numba's pool, see executor.single_threaded_blas)
+            lines += [f"    nc = min({_d(Mt)}, {GEMM_CHUNKS})",
+                      "    for c in prange(nc):",
+                      f"        lo = c * {_d(Mt)} // nc",
+                      f"        hi = (c + 1) * {_d(Mt)} // nc",
+                      f"        np.dot({a_at.format(bi='0')}[lo:hi], {b_at.format(bi='0')}, C[0][lo:hi])"]
+        else:
+            rng = "prange" if self.k.parallel else "range"
+            lines += [f"    for bi in {rng}({_d(Bt)}):",
+                      f"        np.dot({a_at.format(bi='bi')}, {b_at.format(bi='bi')}, C[bi])"]
+        if direct:
             return lines
-        lines.append(f"    C = np.empty(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}), dtype={_COMPUTE[r.dtype]})")
-        lines.append(f"    for bi in range({_d(Bt)}):")
-        lines.append(f"        np.dot({a_at}, {b_at}, C[bi])")
         loops, idx, depth = self.loops(tuple(F[j] if j != k else 1 for j in range(len(F))))
         lines += loops
         bi = self._linear(idx, b_axes, F)
@@ -376,30 +412,33 @@ class _KernelWriter:
         st = contiguous_strides(tuple(F[j] for j in axes))
         return _sum([_scaled(idx[j], s) for j, s in zip(axes, st)])
 
-    def _operand(self, name, buf, spec: ViewSpec, b_axes, x_axes, k, F, Bt, Xt, K, dtype):
-        """Lines binding the operand as a 3-d array, and the 2-d matrix expression for batch
-        `bi` (A: [X, K], B: [K, X]); a transposed operand is a C array's `.T` (F-contiguous,
-        which BLAS takes directly). Packs a copy only when the strides allow no view."""
-        st = spec.strides
-        sizes_bxk = tuple(F[j] for j in b_axes + x_axes) + (K,)
-        sizes_bkx = tuple(F[j] for j in b_axes) + (K,) + tuple(F[j] for j in x_axes)
-        strides_bxk = tuple(st[j] for j in b_axes + x_axes) + (st[k],)
-        strides_bkx = tuple(st[j] for j in b_axes) + (st[k],) + tuple(st[j] for j in x_axes)
-        off = _d(spec.offset)
-        total = numel(sizes_bxk)
-        span_ = f"{buf}[{off}:{off} + {_d(total)}]"
-        bxk = strides_bxk == contiguous_strides(sizes_bxk)
-        bkx = strides_bkx == contiguous_strides(sizes_bkx)
-        native, transposed = (bxk, bkx) if name == "A" else (bkx, bxk)
-        if dtype.is_half:  # BLAS takes f32: widen into a packed copy
-            native = transposed = False
-        if native:
-            dims = (Xt, K) if name == "A" else (K, Xt)
-            return [f"    {name} = {span_}.reshape(({_d(Bt)}, {_d(dims[0])}, {_d(dims[1])}))"], f"{name}[bi]"
-        if transposed:
-            dims = (K, Xt) if name == "A" else (Xt, K)
-            return [f"    {name} = {span_}.reshape(({_d(Bt)}, {_d(dims[0])}, {_d(dims[1])}))"], f"{name}[bi].T"
-        # pack: loop over the operand's own axes and copy into a contiguous array
+    def _operand(self, name, node, root, spec: Optional[ViewSpec], b_axes, x_axes, k, F, Bt, Xt, K, dtype):
+        """Lines binding the operand as a 3-d array; the 2-d matrix expression for batch `{bi}`
+        (A: [X, K], B: [K, X]); and whether its rows are C-contiguous (so a block of rows is a
+        matrix BLAS takes). A transposed operand is a C array's `.T` (F-contiguous, which BLAS
+        takes directly). Packs a copy only when the strides allow no view, or the views do not
+        compose or pad: the copy then reads each element through the views."""
+        if spec is not None and not dtype.is_half:  # BLAS takes f32; 16-bit floats widen into a copy
+            buf = self.reads[root]
+            st = spec.strides
+            sizes_bxk = tuple(F[j] for j in b_axes + x_axes) + (K,)
+            sizes_bkx = tuple(F[j] for j in b_axes) + (K,) + tuple(F[j] for j in x_axes)
+            strides_bxk = tuple(st[j] for j in b_axes + x_axes) + (st[k],)
+            strides_bkx = tuple(st[j] for j in b_axes) + (st[k],) + tuple(st[j] for j in x_axes)
+            off = _d(spec.offset)
+            span_ = f"{buf}[{off}:{off} + {_d(numel(sizes_bxk))}]"
+            bxk = strides_bxk == contiguous_strides(sizes_bxk)
+            bkx = strides_bkx == contiguous_strides(sizes_bkx)
+            native, transposed = (bxk, bkx) if name == "A" else (bkx, bxk)
+            if native:
+                dims = (Xt, K) if name == "A" else (K, Xt)
+                return ([f"    {name} = {span_}.reshape(({_d(Bt)}, {_d(dims[0])}, {_d(dims[1])}))"],
+                        f"{name}[{{bi}}]", True)
+            if transposed:
+                dims = (K, Xt) if name == "A" else (Xt, K)
+                return ([f"    {name} = {span_}.reshape(({_d(Bt)}, {_d(dims[0])}, {_d(dims[1])}))"],
+                        f"{name}[{{bi}}].T", False)
+        # pack: loop over the operand's own axes (the other operand's are 0) and copy
         shape3 = (Bt, Xt, K) if name == "A" else (Bt, K, Xt)
         lines = [f"    {name} = np.empty(({', '.join(_d(x) for x in shape3)}), dtype={_COMPUTE[dtype]})"]
         axes = b_axes + x_axes + [k]
@@ -407,13 +446,12 @@ class _KernelWriter:
         for j in axes:
             lines.append("    " * depth + f"for p{j} in range({_d(F[j])}):")
             depth += 1
-        pidx = {j: f"p{j}" for j in axes}
-        src = _sum([off] + [_scaled(pidx[j], st[j]) for j in axes])
+        pidx = tuple(f"p{j}" if j in axes else "0" for j in range(len(F)))
         bi = self._linear(pidx, b_axes, F)
         xi = self._linear(pidx, x_axes, F)
         dst = f"{bi}, {xi}, p{k}" if name == "A" else f"{bi}, p{k}, {xi}"
-        lines.append("    " * depth + f"{name}[{dst}] = {self.load(dtype, f'{buf}[{src}]')}")
-        return lines, f"{name}[bi]"
+        lines += self.statement("    " * depth, lambda: f"{name}[{dst}] = {self.value(node, pidx)}")
+        return lines, f"{name}[{{bi}}]", True
 
     def emit_gather(self):
         n = self.g.nodes[self.k.output]
@@ -476,22 +514,21 @@ def graph_symbols(g: Graph) -> list[str]:
 
 def emit_cpu(kg: KernelGraph) -> CpuProgram:
     g = kg.graph
-    consts: dict = {}
     kernels = []
     for k in kg.kernels:
         with span("codegen.kernel", **{"kiln.kernel": k.name, "kiln.kind": k.kind}):
-            kernels.append(EmittedKernel(k.name, k.kind, _KernelWriter(kg, k, consts).emit()))
+            consts: dict = {}
+            symbol, text = kernel_module(_KernelWriter(kg, k, consts).emit(), consts)
+            kernels.append(EmittedKernel(k.name, k.kind, text, symbol))
     plan = plan_memory(kg)
-    entry = _emit_entry(kg, plan)
-    const_lines = "\n".join(line for _, line in consts.values())
-    halves = any(n.dtype.is_half for n in g.nodes)
-    module = HEADER + (HALF_HELPERS if halves else "") + "\n" + const_lines + "\n\n\n" + "\n\n".join(k.source for k in kernels) + "\n\n" + entry
+    imports = "\n".join(sorted({f"from {k.module} import {k.symbol}" for k in kernels}))
+    module = HEADER + imports + "\n\n\n" + _emit_entry(kg, plan, [k.symbol for k in kernels])
     outputs = tuple(TensorSpec(name or f"out{i}", g.nodes[o].shape, g.nodes[o].dtype)
                     for i, (o, name) in enumerate(zip(g.outputs, list(g.output_names) + [""] * len(g.outputs))))
     return CpuProgram(tuple(kernels), module, "run_graph", plan, outputs)
 
 
-def _emit_entry(kg: KernelGraph, plan: MemoryPlan) -> str:
+def _emit_entry(kg: KernelGraph, plan: MemoryPlan, symbols: list[str]) -> str:
     g = kg.graph
     args = [f"in{i}" for i in range(len(g.inputs))] + [f"w{i}" for i in range(len(g.weights))]
     buf: dict[int, str] = {}
@@ -522,8 +559,8 @@ def _emit_entry(kg: KernelGraph, plan: MemoryPlan) -> str:
     for i, s in plan.node_slot.items():
         buf[i] = f"s{s}"
     buf.update(out_buf)
-    for k in kg.kernels:
-        lines.append(f"    {k.name}({', '.join([buf[k.output]] + [buf[j] for j in k.reads] + syms)})")
+    for k, symbol in zip(kg.kernels, symbols):
+        lines.append(f"    {symbol}({', '.join([buf[k.output]] + [buf[j] for j in k.reads] + syms)})  # {k.name}")
     rets = []
     for o in g.outputs:
         rets.append(f"{buf[o]}.copy()" if g.nodes[o].op in (Op.INPUT, Op.WEIGHT) else buf[o])

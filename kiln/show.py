@@ -67,6 +67,8 @@ def show(store: BlobStore, digest: Digest) -> str:
                  f"  inputs:  {ins}", f"  outputs: {outs}",
                  f"  weights: {len(obj.weight_names)}", f"  peak memory: {obj.memory.peak_bytes} bytes",
                  "", obj.module_source]
+        for k in obj.kernels:
+            lines += [f"# ---- {k.name} ({k.kind}): module kiln_{k.symbol}", k.source]
         return "\n".join(lines)
     if kind == "manifest":
         lines = [f"WeightManifest {digest}: {len(obj.weights)} tensors"]

@@ -14,6 +14,7 @@ from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import evaluate_dim, numel
 
 PARALLEL_MIN_ELEMENTS = 1 << 15  # below this a parallel loop costs more than it saves
+PARALLEL_MIN_MACS = 1 << 18       # and a GEMM below this many multiply-adds
 
 
 def partition(g: Graph, fuse: bool = True) -> KernelGraph:
@@ -58,7 +59,8 @@ def partition(g: Graph, fuse: bool = True) -> KernelGraph:
                 "gather" if node.op is Op.GATHER else "scatter" if node.op is Op.SCATTER else "elementwise")
         total = evaluate_dim(numel(g.nodes[node.inputs[0]].shape if node.op in GroupOp.Reduce else node.shape),
                              largest)
-        parallel = total >= PARALLEL_MIN_ELEMENTS and kind in ("elementwise", "reduce")
+        parallel = (total >= PARALLEL_MIN_ELEMENTS and kind in ("elementwise", "reduce")
+                    or kind == "gemm" and total >= PARALLEL_MIN_MACS)
         kernels.append(Kernel(f"k{len(kernels)}_{kind}", kind, tuple(inside), i, tuple(reads), parallel))
     return KernelGraph(g, tuple(kernels))
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import kiln
+from kiln.v1 import ir_pb2
 from modules import Fn
 
 
@@ -61,3 +62,73 @@ def test_out_of_range_index_is_invalid_argument_not_a_bad_read(local_pipeline):
     for bad in ([3, 10], [-1, 2]):  # torch raises IndexError for both
         with pytest.raises(InvalidArgument, match="out-of-range index"):
             compiled(torch.tensor(bad))
+
+
+def _kernel_graph(pipeline, compiled):
+    from kiln.ir.kernel import kernel_graph_from_pb
+    from kiln.v1 import ir_pb2
+
+    return kernel_graph_from_pb(pipeline.store.get_message(compiled.result.kernel_graph, ir_pb2.KernelGraph))
+
+
+def test_gemm_through_views_that_do_not_compose(local_pipeline):
+    """Attention's output projection reads a transposed-then-reshaped tensor, and GQA's V a
+    broadcast-then-reshaped one: neither view chain composes, both are still GEMMs (the
+    operand packed through its views), and match torch."""
+
+    def fn(p, v, w):
+        o = p @ v.repeat_interleave(2, dim=1)                    # [1, 4, 8, 16], v broadcast over heads
+        o = o.transpose(1, 2).reshape(1, 8, 64)                   # does not compose with the GEMM's view
+        return o @ w
+
+    p, v, w = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 8, 16), torch.randn(64, 32)
+    compiled = kiln.compile(Fn(fn), (p, v, w), pipeline=local_pipeline)
+    kinds = _kinds(local_pipeline, compiled)
+    assert kinds.count("gemm") == 2 and "reduce" not in kinds, kinds
+    assert torch.allclose(compiled(p, v, w), fn(p, v, w), rtol=1e-4, atol=1e-5)
+
+
+def test_parallel_gemm_splits_rows_and_matches(local_pipeline):
+    x, w, b = torch.randn(300, 96), torch.randn(96, 80), torch.randn(80)
+    fn = lambda x: torch.relu(x @ w + b)  # noqa: E731
+    compiled = kiln.compile(Fn(fn), (x,), pipeline=local_pipeline)
+    gemms = [k for k in _kernel_graph(local_pipeline, compiled).kernels if k.kind == "gemm"]
+    assert len(gemms) == 1 and gemms[0].parallel
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+    assert any("prange" in k.source and k.kind == "gemm" for k in bundle.kernels)
+    assert torch.allclose(compiled(x), fn(x), rtol=1e-4, atol=1e-4)
+
+
+def test_long_view_chain_with_search_off_compiles_and_matches(local_pipeline):
+    """With the search off no view is composed: twelve transposes and reshapes that never
+    compose are walked level by level (the generated index stays linear in the chain)."""
+
+    def fn(x):
+        for _ in range(6):
+            x = x.transpose(0, 1).reshape(6, 10).transpose(0, 1).reshape(12, 5)
+        return x + 1
+
+    x = torch.randn(12, 5)
+    compiled = kiln.compile(Fn(fn), (x,), search=False, pipeline=local_pipeline)
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+    assert max(len(k.source) for k in bundle.kernels) < 20_000
+    assert torch.equal(compiled(x), fn(x))
+
+
+def test_kernels_are_content_addressed_and_checked(local_pipeline, tmp_path):
+    """Two models sharing a kernel share its module (compiled once per machine); a bundle whose
+    kernel is not named by its source's hash is refused before anything is written."""
+    from kiln.errors import InvalidArgument
+
+    x = torch.randn(4, 8)
+    a = kiln.compile(Fn(lambda x: torch.sigmoid(x) * 3.0), (x,), pipeline=local_pipeline)
+    b = kiln.compile(Fn(lambda x: (torch.sigmoid(x) * 3.0, x.sum(-1))), (x,), pipeline=local_pipeline)
+    get = lambda c: local_pipeline.store.get_message(c.result.bundle, ir_pb2.Bundle)  # noqa: E731
+    ka, kb = get(a), get(b)
+    assert {k.symbol for k in ka.kernels} < {k.symbol for k in kb.kernels}
+    bad = ir_pb2.Bundle()
+    bad.CopyFrom(ka)
+    bad.kernels[0].source = bad.kernels[0].source.replace("3.0", "4.0")
+    d = local_pipeline.store.put_message(bad)
+    with pytest.raises(InvalidArgument, match="not named by its source's hash"):
+        local_pipeline.load(d, a.result.manifest)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,15 +29,38 @@ class KernelGraph:
 
 KERNEL_KINDS = ("elementwise", "reduce", "gemm", "gather", "scatter")
 
+# generated kernels are content-addressed: the function is written as KERNEL_PLACEHOLDER, the
+# module text hashed, and the placeholder replaced by the symbol the hash gives
+KERNEL_PLACEHOLDER = "KILN_KERNEL"
+
+
+def kernel_symbol(text: str) -> str:
+    return "k_" + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def name_kernel(text: str) -> tuple[str, str]:
+    """(symbol, text with the placeholder replaced by it)."""
+    symbol = kernel_symbol(text)
+    return symbol, text.replace(f"def {KERNEL_PLACEHOLDER}(", f"def {symbol}(")
+
+
+def kernel_named_by_content(symbol: str, source: str) -> bool:
+    return symbol.isidentifier() and \
+        kernel_symbol(source.replace(f"def {symbol}(", f"def {KERNEL_PLACEHOLDER}(")) == symbol
+
 
 @dataclass(frozen=True)
 class Gemm:
-    """A SumReduce of a broadcast Mul read as a GEMM: operand roots, their composed views, and
-    the Mul's axes classified as M (only A varies), N (only B varies) and batch (both vary)."""
+    """A SumReduce of a broadcast Mul read as a GEMM: per operand the Mul's input node, the
+    buffer under its views and their composed view (None when the chain does not compose
+    or pads: the operand is then packed element by element through the views), and the
+    Mul's axes classified as M (only A varies), N (only B varies) and batch (both vary)."""
+    a_node: int
     a_root: int
-    a_spec: ViewSpec
+    a_spec: Optional[ViewSpec]
+    b_node: int
     b_root: int
-    b_spec: ViewSpec
+    b_spec: Optional[ViewSpec]
     m_axes: tuple[int, ...]
     n_axes: tuple[int, ...]
     batch_axes: tuple[int, ...]
@@ -75,22 +99,27 @@ def gemm_axes(g: Graph, reduce_id: int) -> Optional[Gemm]:
     operands = []
     for x in m.inputs:
         root, chain = view_root(g, x)
-        spec = compose_chain(chain) if chain else ViewSpec.contiguous(g.nodes[root].shape)
-        if spec is None or spec.mask is not None or g.nodes[root].op is Op.CONSTANT:
+        if g.nodes[root].op is Op.CONSTANT:
             return None
-        operands.append((root, spec))
-    (ra, sa), (rb, sb) = operands
+        spec = compose_chain(chain) if chain else ViewSpec.contiguous(g.nodes[root].shape)
+        # which axes the operand varies along: the view that feeds the Mul says (an axis an
+        # inner view broadcasts counts as varying, which only costs a packed copy)
+        strides = spec.strides if spec is not None else chain[-1].strides
+        if spec is not None and spec.mask is not None:
+            spec = None
+        operands.append((x, root, spec, strides))
+    (xa, ra, sa, st_a), (xb, rb, sb, st_b) = operands
     k = r.axis
-    if sa.strides[k] == 0 or sb.strides[k] == 0:
+    if st_a[k] == 0 or st_b[k] == 0:
         return None
     axes = {(True, False): [], (False, True): [], (True, True): [], (False, False): []}
     for j, d in enumerate(m.shape):
         if j != k and d != 1:
-            axes[(sa.strides[j] != 0, sb.strides[j] != 0)].append(j)
+            axes[(st_a[j] != 0, st_b[j] != 0)].append(j)
     m_axes, n_axes = axes[(True, False)], axes[(False, True)]
     if axes[(False, False)] or not (m_axes or n_axes):
         return None
-    return Gemm(ra, sa, rb, sb, tuple(m_axes), tuple(n_axes), tuple(axes[(True, True)]))
+    return Gemm(xa, ra, sa, xb, rb, sb, tuple(m_axes), tuple(n_axes), tuple(axes[(True, True)]))
 
 
 def kernel_graph_to_pb(kg: KernelGraph, source_graph=None):
