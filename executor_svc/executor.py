@@ -136,7 +136,8 @@ class Executor:
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
-    def load(self, bundle_d: Digest, manifest_d: Digest) -> str:
+    def open(self, bundle_d: Digest, manifest_d: Digest) -> Session:
+        """A session for the bundle with its weights bound, not yet registered."""
         with span("executor.load", **{"kiln.bundle": str(bundle_d), "kiln.manifest": str(manifest_d)}):
             bundle = self.store.get_message(bundle_d, ir_pb2.Bundle)
             if bundle.target != "cpu":
@@ -155,17 +156,20 @@ class Executor:
                 data = self.store.get(Digest.from_pb(e.digest))
                 weights.append(kernel_array(np.frombuffer(data, dtype=spec.dtype.numpy).copy()))
             mod = load_bundle_module(bundle_d, bundle)
-            sid = uuid.uuid4().hex
-            with self._lock:
-                while len(self.sessions) >= MAX_SESSIONS:
-                    # evict the least recently used; its client gets NOT_FOUND and loads again
-                    self.sessions.pop(next(iter(self.sessions)))
-                self.sessions[sid] = Session(sid, bundle_d, getattr(mod, bundle.entry),
-                                             tuple(tensor_spec_from_pb(t) for t in bundle.inputs),
-                                             tuple(tensor_spec_from_pb(t) for t in bundle.outputs),
-                                             tuple(weights), threading.Lock(),
-                                             tuple((s.name, s.min, s.max) for s in bundle.symbols))
-            return sid
+            return Session(uuid.uuid4().hex, bundle_d, getattr(mod, bundle.entry),
+                           tuple(tensor_spec_from_pb(t) for t in bundle.inputs),
+                           tuple(tensor_spec_from_pb(t) for t in bundle.outputs),
+                           tuple(weights), threading.Lock(),
+                           tuple((s.name, s.min, s.max) for s in bundle.symbols))
+
+    def load(self, bundle_d: Digest, manifest_d: Digest) -> str:
+        s = self.open(bundle_d, manifest_d)
+        with self._lock:
+            while len(self.sessions) >= MAX_SESSIONS:
+                # evict the least recently used; its client gets NOT_FOUND and loads again
+                self.sessions.pop(next(iter(self.sessions)))
+            self.sessions[s.id] = s
+        return s.id
 
     def session(self, sid: str) -> Session:
         with self._lock:
@@ -177,7 +181,10 @@ class Executor:
         return s
 
     def run(self, sid: str, inputs: Sequence[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:
-        s = self.session(sid)
+        return self.run_session(self.session(sid), inputs)
+
+    def run_session(self, s: Session, inputs: Sequence[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:
+        sid = s.id
         args, env = check_inputs(s.inputs, inputs, s.symbols)
         sym_args = [np.int64(env[name]) for name, _, _ in s.symbols]
         with span("executor.run", **{"kiln.session": sid, "kiln.bundle": str(s.bundle)}):
@@ -198,8 +205,9 @@ class Executor:
             raise InvalidArgument("Profile needs at least one bundle")
         if not 1 <= repeats <= 10_000:
             raise InvalidArgument(f"repeats must be in 1..10000, got {repeats}")
-        sids = [self.load(b, manifest) for b in bundles]
-        first = self.session(sids[0])
+        # private sessions: timing candidates never evicts a client's session
+        sessions = [self.open(b, manifest) for b in bundles]
+        first = sessions[0]
         env = {}
         for name, lo, hi in first.symbols:
             v = int((symbols or {}).get(name, hi))
@@ -207,25 +215,19 @@ class Executor:
                 raise InvalidArgument(f"symbol {name!r} = {v} is outside its range [{lo}, {hi}]")
             env[name] = v
         inputs = random_inputs(first.inputs, env)
-        for sid in sids[1:]:
-            if self.session(sid).inputs != first.inputs:
+        for s in sessions[1:]:
+            if s.inputs != first.inputs:
                 raise InvalidArgument("Profile candidates must share one input signature")
-        times: list[list[float]] = [[] for _ in sids]
-        with span("executor.profile", **{"kiln.candidates": len(sids), "kiln.repeats": repeats}):
-            for sid in sids:  # warm-up: compiles on first call
-                self.run(sid, inputs)
+        times: list[list[float]] = [[] for _ in sessions]
+        with span("executor.profile", **{"kiln.candidates": len(sessions), "kiln.repeats": repeats}):
+            for s in sessions:  # warm-up: compiles on first call
+                self.run_session(s, inputs)
             for _ in range(repeats):
-                for i, sid in enumerate(sids):
+                for i, s in enumerate(sessions):
                     t0 = time.perf_counter()
-                    self.run(sid, inputs)
+                    self.run_session(s, inputs)
                     times[i].append(time.perf_counter() - t0)
-        for sid in sids:
-            self.drop(sid)
         return [(b, statistics.median(t), min(t)) for b, t in zip(bundles, times)]
-
-    def drop(self, sid: str) -> None:
-        with self._lock:
-            self.sessions.pop(sid, None)
 
 
 def random_inputs(specs: Sequence[TensorSpec], env: Mapping[str, int]) -> list[tuple[str, np.ndarray]]:

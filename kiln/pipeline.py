@@ -22,6 +22,9 @@ from kiln.tensors import array_from_pb, array_to_pb, numpy_to_torch, torch_to_nu
 from kiln.v1 import services_pb2
 
 STAGES = ("importer", "optimizer", "codegen", "executor")
+DEFAULT_CANDIDATES = 8  # schedule candidates a compile times on the executor
+CHOOSE_REPEATS = 20
+CHOOSE_VERSION = "choose-1"
 
 
 @dataclass
@@ -106,10 +109,11 @@ class Pipeline:
         return r.graph, r.manifest
 
     def optimize(self, graph: Digest, search: bool = True, max_iterations: int = 0, max_enodes: int = 0,
-                 time_budget_s: float = 0.0, target_profile: Optional[Digest] = None
+                 time_budget_s: float = 0.0, target_profile: Optional[Digest] = None, candidates: int = 0
                  ) -> tuple[Digest, services_pb2.OptimizeReport]:
         req = services_pb2.OptimizeRequest(graph=graph.to_pb(), search=search, max_iterations=max_iterations,
-                                           max_enodes=max_enodes, time_budget_s=time_budget_s)
+                                           max_enodes=max_enodes, time_budget_s=time_budget_s,
+                                           candidates=candidates)
         if target_profile is not None:
             req.target_profile.CopyFrom(target_profile.to_pb())
         if "optimizer" in self.addresses:
@@ -167,12 +171,51 @@ class Pipeline:
     # ---- whole compiles ----
 
     def compile_program(self, program: Digest, search: bool = True, target: str = "cpu",
-                        target_profile: Optional[Digest] = None) -> CompileResult:
+                        target_profile: Optional[Digest] = None, candidates: int = DEFAULT_CANDIDATES
+                        ) -> CompileResult:
+        """Import, optimize, emit. With the search on and more than one candidate, the
+        optimizer's best predicted schedules (under the target's calibrated profile, measured
+        once per target) are emitted and timed on the executor, and the fastest is kept."""
         with span("kiln.compile_program", **{"kiln.program": str(program), "kiln.remote": self.remote}):
             graph, manifest = self.import_program(program)
-            kg, report = self.optimize(graph, search=search, target_profile=target_profile)
+            if search and candidates > 1 and target_profile is None:
+                target_profile = self.calibrate(target)[0]
+            kg, report = self.optimize(graph, search=search, target_profile=target_profile,
+                                       candidates=candidates if search else 1)
+            if len(report.candidates) > 1:
+                kg, report = self.choose(report, manifest, target, target_profile)
             bundle, kernels, peak = self.emit(kg, target)
         return CompileResult(graph, manifest, kg, bundle, report, kernels, peak)
+
+    def choose(self, report: services_pb2.OptimizeReport, manifest: Digest, target: str,
+               target_profile: Optional[Digest]) -> tuple[Digest, services_pb2.OptimizeReport]:
+        """Emit and time the report's candidates on the executor (Executor.Profile, interleaved,
+        medians); the fastest wins. The report comes back with each candidate's measured time.
+        A choice is recorded in the action cache per target fingerprint, so it is made once."""
+        from kiln import cache
+        from kiln.v1 import services_pb2 as pb
+
+        fingerprint = (self.store.get_message(target_profile, pb.TargetProfile).fingerprint
+                       if target_profile is not None else "")
+        kgs = [Digest.from_pb(c.kernel_graph) for c in report.candidates]
+        key = cache.action_key("choose", CHOOSE_VERSION, {f"candidate{i}": d for i, d in enumerate(kgs)},
+                               {"target": target, "fingerprint": fingerprint})
+        hit = cache.lookup(self.store, key)
+        if hit is not None:
+            return hit["kernel_graph"], self.store.get_message(hit["report"], pb.OptimizeReport)
+        with span("kiln.choose", **{"kiln.candidates": len(kgs)}) as s:
+            bundles = [self.emit(d, target)[0] for d in kgs]
+            timings = self.profile(bundles, manifest, repeats=CHOOSE_REPEATS)
+            best = min(range(len(kgs)), key=lambda i: timings[i][1])
+            s.set_attribute("kiln.chosen", best)
+        out = pb.OptimizeReport()
+        out.CopyFrom(report)
+        for i, (c, (_, median, _)) in enumerate(zip(out.candidates, timings)):
+            c.measured_s = median
+            c.chosen = i == best
+        out.kernels = out.candidates[best].kernels
+        cache.record(self.store, key, {"kernel_graph": kgs[best], "report": self.store.put_message(out)})
+        return kgs[best], out
 
     def upload_program(self, ep) -> Digest:
         import torch
@@ -218,9 +261,11 @@ class CompiledModule:
 
 
 def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, *, search: bool = True,
-            target: str = "cpu", pipeline: Optional[Pipeline] = None, dynamic_shapes=None) -> CompiledModule:
+            target: str = "cpu", pipeline: Optional[Pipeline] = None, dynamic_shapes=None,
+            candidates: int = DEFAULT_CANDIDATES) -> CompiledModule:
     """Compile an nn.Module for the example inputs' shapes, or for every shape `dynamic_shapes`
-    (torch.export's argument, with torch.export.Dim) allows; returns a callable with its signature."""
+    (torch.export's argument, with torch.export.Dim) allows; returns a callable with its signature.
+    `candidates` schedules are timed on the executor and the fastest kept (1: the cost model's pick)."""
     import torch
 
     pipeline = pipeline or Pipeline()
@@ -233,6 +278,6 @@ def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, 
             except Exception as e:
                 raise errors.FailedPrecondition(f"torch.export failed: {type(e).__name__}: {e}") from e
         program = pipeline.upload_program(ep)
-        result = pipeline.compile_program(program, search=search, target=target)
+        result = pipeline.compile_program(program, search=search, target=target, candidates=candidates)
         session = pipeline.load(result.bundle, result.manifest)
     return CompiledModule(pipeline, result, session, ep.call_spec.in_spec)

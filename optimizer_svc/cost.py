@@ -1,10 +1,13 @@
 """The roofline cost model: predicted run time of a KernelGraph on a measured target.
 
 Each kernel costs the larger of its compute time and its memory time, plus the target's fixed
-cost per kernel. A GEMM computes 2·B·M·N·K flops at the GFLOP/s that Calibrate measured for
-the nearest shape class (by log of M·N·K; a single-row GEMM uses the GEMV class); every kernel
-moves its output and the buffers it reads once at the measured bandwidth, and elementwise
-work runs at the measured elementwise rate. Symbolic dims take their largest binding.
+cost per kernel (a parallel kernel's, measured on a prange loop, or a serial one's). A GEMM
+computes 2·B·M·N·K flops at the GFLOP/s that Calibrate measured for the nearest shape class
+(by log of M·N·K; a single-row GEMM uses the GEMV class), one thread's rate, times the pool's
+threads when the GEMM is parallel; every kernel moves its output and the buffers it reads once
+at the measured bandwidth, and elementwise work runs at the measured elementwise rate (both
+measured with the whole pool: a serial kernel gets one thread's share). Symbolic dims take
+their largest binding.
 """
 
 from __future__ import annotations
@@ -41,23 +44,27 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
     g = kg.graph
     env = {name: hi for name, _, hi in g.symbols}
     elems = lambda i: evaluate_dim(numel(g.nodes[i].shape), env)  # noqa: E731
-    overhead = profile.kernel_overhead_us * 1e-6
+    threads = max(profile.threads, 1)
     bw = max(profile.bandwidth_gbs, 1e-3) * 1e9
     rate = max(profile.elementwise_gelems, 1e-3) * 1e9
     out = []
     for k in kg.kernels:
+        share = 1.0 if k.parallel else 1.0 / threads
+        overhead = (profile.kernel_overhead_us if k.parallel or not profile.serial_overhead_us
+                    else profile.serial_overhead_us) * 1e-6
         moved = (elems(k.output) * g.nodes[k.output].dtype.itemsize
                  + sum(elems(j) * g.nodes[j].dtype.itemsize for j in k.reads))
-        memory = moved / bw
+        memory = moved / (bw * share)
         if k.kind == "gemm":
             ga = gemm_axes(g, k.output)
             shape = [evaluate_dim(d, env) for d in g.nodes[g.nodes[k.output].inputs[0]].shape]
             prod = lambda axes: math.prod(shape[a] for a in axes)  # noqa: E731
             m, n, kk, batch = prod(ga.m_axes), prod(ga.n_axes), shape[g.nodes[k.output].axis], prod(ga.batch_axes)
-            compute = 2.0 * batch * m * n * kk / (gemm_rate(profile, m, n, kk) * 1e9)
+            pool = threads if k.parallel else 1
+            compute = 2.0 * batch * m * n * kk / (gemm_rate(profile, m, n, kk) * 1e9 * pool)
         else:
             work = elems(g.nodes[k.output].inputs[0]) if k.kind == "reduce" else elems(k.output)
-            compute = work * max(1, len(k.nodes)) / rate
+            compute = work * max(1, len(k.nodes)) / (rate * share)
         body = max(compute, memory)
         bound = "overhead" if overhead > body else ("compute" if compute >= memory else "memory")
         out.append(KernelCost(k.name, k.kind, body + overhead, bound))

@@ -9,20 +9,21 @@ from typing import Optional
 from kiln import cache
 from kiln.digest import Digest, digest_message
 from kiln.errors import InvalidArgument, ResourceExhausted
-from kiln.ir.kernel import kernel_graph_to_pb
+from kiln.ir.kernel import KernelGraph, kernel_graph_to_pb
 from kiln.ir.graph import Graph
 from kiln.ir.serialize import graph_from_pb, graph_to_pb
 from kiln.store import BlobStore
 from kiln.telemetry import span
 from kiln.v1 import ir_pb2, services_pb2
 from optimizer_svc.cost import predict
-from optimizer_svc.partition import partition
+from optimizer_svc.partition import DEFAULT_SCHEDULE, SCHEDULE_GRID, Schedule, partition
 from optimizer_svc.regions import RegionCycle, assemble, canonical, split
 from optimizer_svc.search import SearchLimits, SearchReport, graph_cost, saturate
 
 STAGE_VERSION = "optimizer-1-" + cache.code_version("optimizer_svc", "kiln.ir")
 MAX_ITERATIONS_CAP = 1000
 MAX_ENODES_CAP = 5_000_000
+MAX_CANDIDATES = len(SCHEDULE_GRID)
 
 
 @dataclass(frozen=True)
@@ -32,16 +33,20 @@ class OptimizeOptions:
     time_budget_s: float = 30.0
     search: bool = True
     target_profile: Optional[Digest] = None  # Executor.Calibrate's TargetProfile: predict run time
+    candidates: int = 8  # schedule candidates returned for timing, best predicted first
 
     def canonical(self) -> dict:
         return {"max_iterations": self.max_iterations, "max_enodes": self.max_enodes,
                 "time_budget_s": self.time_budget_s, "search": self.search,
-                "target_profile": str(self.target_profile) if self.target_profile else ""}
+                "target_profile": str(self.target_profile) if self.target_profile else "",
+                "candidates": self.candidates}
 
 
 def check_options(o: OptimizeOptions) -> None:
     if o.max_iterations < 0 or o.max_enodes < 0 or o.time_budget_s < 0:
         raise InvalidArgument("search bounds must be non-negative")
+    if not 1 <= o.candidates <= MAX_CANDIDATES:
+        raise InvalidArgument(f"candidates must be in 1..{MAX_CANDIDATES}, got {o.candidates}")
     if o.max_iterations > MAX_ITERATIONS_CAP or o.max_enodes > MAX_ENODES_CAP:
         raise ResourceExhausted(f"search bounds over the server's caps (iterations <= {MAX_ITERATIONS_CAP}, "
                                 f"e-nodes <= {MAX_ENODES_CAP})")
@@ -101,6 +106,26 @@ def saturate_regions(store: BlobStore, graph: Graph, limits: SearchLimits) -> tu
     return out, report, stats
 
 
+def candidates(g: Graph, options: OptimizeOptions, profile) -> list[tuple[Schedule, KernelGraph, list]]:
+    """Distinct partitions of the extracted program under the schedule grid, best predicted
+    first (the grid's order without a profile, so the default schedule leads), at most
+    options.candidates of them. With the search off: the one kernel per op partition."""
+    if not options.search:
+        kg = partition(g, fuse=False)
+        return [(DEFAULT_SCHEDULE, kg, predict(kg, profile) if profile is not None else [])]
+    seen, out = set(), []
+    for schedule in (DEFAULT_SCHEDULE,) + SCHEDULE_GRID:
+        kg = partition(g, schedule=schedule)
+        shape = tuple((k.kind, k.output, k.nodes, k.parallel) for k in kg.kernels)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        out.append((schedule, kg, predict(kg, profile) if profile is not None else []))
+    if profile is not None:
+        out.sort(key=lambda c: sum(x.seconds for x in c[2]))  # stable: ties keep the grid's order
+    return out[:options.candidates]
+
+
 def optimize(store: BlobStore, graph_d: Digest, options: OptimizeOptions,
              deadline: Optional[float] = None) -> tuple[Digest, services_pb2.OptimizeReport]:
     check_options(options)
@@ -119,22 +144,27 @@ def optimize(store: BlobStore, graph_d: Digest, options: OptimizeOptions,
             optimized, rep, dedup = saturate_regions(store, graph, limits)
         else:
             optimized, rep, dedup = graph, SearchReport(stop_reason="search off"), RegionStats()
-        kg = partition(optimized, fuse=options.search)
+        profile = (store.get_message(options.target_profile, services_pb2.TargetProfile)
+                   if options.target_profile is not None else None)
+        cands = candidates(optimized, options, profile)
         s.set_attribute("kiln.stop_reason", rep.stop_reason)
         s.set_attribute("kiln.cost_before", graph_cost(graph))
         s.set_attribute("kiln.cost_after", graph_cost(optimized))
-        s.set_attribute("kiln.kernels", len(kg.kernels))
-    kg_d = store.put_message(kernel_graph_to_pb(kg, graph_d))
+        s.set_attribute("kiln.kernels", len(cands[0][1].kernels))
+        s.set_attribute("kiln.candidates", len(cands))
     report = services_pb2.OptimizeReport(stop_reason=rep.stop_reason, nodes_before=len(graph.nodes),
-                                         nodes_after=len(optimized.nodes), kernels=len(kg.kernels),
-                                         seconds=time.monotonic() - t0, cost_before=graph_cost(graph),
+                                         nodes_after=len(optimized.nodes), kernels=len(cands[0][1].kernels),
+                                         cost_before=graph_cost(graph),
                                          cost_after=graph_cost(optimized), regions=dedup.regions,
                                          distinct_regions=dedup.distinct, region_cache_hits=dedup.cache_hits)
-    if options.target_profile is not None:
-        profile = store.get_message(options.target_profile, services_pb2.TargetProfile)
-        costs = predict(kg, profile)
-        report.predicted_s = sum(c.seconds for c in costs)
-        for c in costs:
+    for schedule, kg, costs in cands:
+        d = store.put_message(kernel_graph_to_pb(kg, graph_d))
+        report.candidates.add(kernel_graph=d.to_pb(), schedule=schedule.describe(), kernels=len(kg.kernels),
+                              predicted_s=sum(c.seconds for c in costs))
+    kg_d = Digest.from_pb(report.candidates[0].kernel_graph)
+    if profile is not None:
+        report.predicted_s = report.candidates[0].predicted_s
+        for c in cands[0][2]:
             report.kernel_predictions.add(kernel=c.kernel, kind=c.kind, seconds=c.seconds, bound=c.bound)
     for it in rep.iterations:
         report.iterations.add(iteration=it.iteration, enodes=it.enodes, eclasses=it.eclasses,
@@ -143,6 +173,7 @@ def optimize(store: BlobStore, graph_d: Digest, options: OptimizeOptions,
         report.rules.add(rule=rule, matches=n)
     for family, n in sorted(rep.rulesets.items()):
         report.rulesets.add(rule=family, matches=n)
+    report.seconds = time.monotonic() - t0
     # a run cut short by the caller's deadline is not a reusable result
     if rep.stop_reason != "deadline":
         cache.record(store, key, {"kernel_graph": kg_d, "report": store.put_message(report)})

@@ -4,21 +4,47 @@ A node is materialized (gets a buffer) when it is a leaf, an output, a reduction
 read by several nodes, read through a broadcasting view, or read by a GEMM or data op;
 everything else is inlined into its single consumer's loop nest. A SumReduce of a broadcast
 Mul whose operands are views of buffers along disjoint broadcast axes is a GEMM kernel.
+
+A Schedule holds the choices beyond that: which GEMMs call BLAS and which stay generated
+loops (a fused reduction), and which loops run on the parallel pool. The optimizer ranks the
+distinct partitions the schedule grid gives by the cost model; the fastest is found by timing.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from kiln.ir.graph import Graph
 from kiln.ir.kernel import Kernel, KernelGraph, broadcasts, gemm_axes, view_root
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import evaluate_dim, numel
 
-PARALLEL_MIN_ELEMENTS = 1 << 15  # below this a parallel loop costs more than it saves
-PARALLEL_MIN_MACS = 1 << 18       # and a GEMM below this many multiply-adds
+NEVER = 1 << 62
 
 
-def partition(g: Graph, fuse: bool = True) -> KernelGraph:
+@dataclass(frozen=True)
+class Schedule:
+    """The kernel choices a partition makes, beyond which nodes get a buffer."""
+    parallel_min_elements: int = 1 << 15  # elementwise/reduce loops this large run on the pool
+    parallel_min_macs: int = 1 << 18      # GEMMs with this many multiply-adds split across the pool
+    blas_min_macs: int = 0                # smaller GEMMs are generated loops (a fused reduction), not BLAS
+
+    def describe(self) -> str:
+        show = lambda v: "never" if v >= NEVER else str(v)  # noqa: E731
+        return (f"blas>={self.blas_min_macs} par>={show(self.parallel_min_elements)} "
+                f"gemm-par>={show(self.parallel_min_macs)}")
+
+
+DEFAULT_SCHEDULE = Schedule()
+# the grid candidate schedules are drawn from (optimizer.candidates ranks them by the cost model)
+SCHEDULE_GRID = tuple(Schedule(pe, pm, bm) for bm in (0, 1 << 12, 1 << 16)
+                      for pe in (1 << 15, 1 << 13, 1 << 17, NEVER)
+                      for pm in (1 << 18, 1 << 16, 1 << 20, NEVER))
+
+
+def partition(g: Graph, fuse: bool = True, schedule: Schedule = DEFAULT_SCHEDULE) -> KernelGraph:
     users = g.consumers()
+    largest = {name: hi for name, _, hi in g.symbols}  # size the schedule for the largest binding
     outputs = set(g.outputs)
     n = len(g.nodes)
     materialize = [False] * n
@@ -34,7 +60,8 @@ def partition(g: Graph, fuse: bool = True) -> KernelGraph:
                 materialize[view_root(g, j)[0]] = True
         if op is Op.SUM_REDUCE and fuse:
             ga = gemm_axes(g, i)
-            if ga is not None and len(users[node.inputs[0]]) == 1:
+            macs = evaluate_dim(numel(g.nodes[node.inputs[0]].shape), largest)
+            if ga is not None and len(users[node.inputs[0]]) == 1 and macs >= schedule.blas_min_macs:
                 gemms[i] = ga
                 materialize[ga.a_root] = materialize[ga.b_root] = True
     for i, node in enumerate(g.nodes):
@@ -50,7 +77,6 @@ def partition(g: Graph, fuse: bool = True) -> KernelGraph:
     for i in gemms:  # the Mul under a GEMM is computed by the GEMM, never materialized
         materialize[g.nodes[i].inputs[0]] = False
     kernels = []
-    largest = {name: hi for name, _, hi in g.symbols}  # size the schedule for the largest binding
     for i, node in enumerate(g.nodes):
         if not materialize[i] or node.op in (Op.INPUT, Op.WEIGHT):
             continue
@@ -59,8 +85,8 @@ def partition(g: Graph, fuse: bool = True) -> KernelGraph:
                 "gather" if node.op is Op.GATHER else "scatter" if node.op is Op.SCATTER else "elementwise")
         total = evaluate_dim(numel(g.nodes[node.inputs[0]].shape if node.op in GroupOp.Reduce else node.shape),
                              largest)
-        parallel = (total >= PARALLEL_MIN_ELEMENTS and kind in ("elementwise", "reduce")
-                    or kind == "gemm" and total >= PARALLEL_MIN_MACS)
+        parallel = (total >= schedule.parallel_min_elements and kind in ("elementwise", "reduce")
+                    or kind == "gemm" and total >= schedule.parallel_min_macs)
         kernels.append(Kernel(f"k{len(kernels)}_{kind}", kind, tuple(inside), i, tuple(reads), parallel))
     return KernelGraph(g, tuple(kernels))
 

@@ -12,6 +12,7 @@ def options_from_request(r: services_pb2.OptimizeRequest) -> OptimizeOptions:
     return OptimizeOptions(max_iterations=r.max_iterations or d.max_iterations,
                            max_enodes=r.max_enodes or d.max_enodes,
                            time_budget_s=r.time_budget_s or d.time_budget_s, search=r.search,
+                           candidates=r.candidates or d.candidates,
                            target_profile=Digest.from_pb(r.target_profile) if r.HasField("target_profile") else None)
 
 
