@@ -27,8 +27,8 @@ from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import SYMBOL_PREFIX, Dim, contiguous_strides, numel, render_dim
 from kiln.ir.view import ViewSpec
 from kiln.telemetry import span
-from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, compose_chain, gemm_axes, name_kernel,
-                             view_root)
+from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, compose_chain, gemm_axes, kernel_gemm,
+                             name_kernel, view_root)
 from codegen_svc.memory import MemoryPlan, plan_memory
 
 GEMM_CHUNKS = 16  # row blocks a parallel GEMM is split into (numba's pool takes them in turn)
@@ -164,6 +164,17 @@ class _KernelWriter:
         # walked level by level; naming each level's flat index keeps the expression linear in
         # the chain's length instead of growing as dims ** levels)
         self.lets: dict[str, str] = {}
+        self.gemm_value = None  # (gemm node, its Mul's shape, batch/M/N axes) while an epilogue is written
+        # nodes the kernel reads more than once are named (computed once per statement), except
+        # under a padding mask, whose condition must guard the reads inside it
+        inside_users: dict[int, int] = {}
+        for j in kernel.nodes:
+            for x in kg.graph.nodes[j].inputs:
+                root = view_root(kg.graph, x)[0]
+                inside_users[root] = inside_users.get(root, 0) + 1
+        self.shared = {j for j in kernel.nodes if inside_users.get(j, 0) > 1
+                       and kg.graph.nodes[j].op not in (Op.CONSTANT, Op.VIEW)}
+        self.guarded = 0
 
     def let(self, expr: str) -> str:
         if expr.isidentifier() or expr.isdigit():
@@ -215,11 +226,20 @@ class _KernelWriter:
         n = self.g.nodes[j]
         if j in self.reads:
             return self.load(n.dtype, f"{self.reads[j]}[{self.flat(n.shape, idx)}]")
+        if self.gemm_value is not None and j == self.gemm_value[0]:
+            _, F, b_axes, m_axes, n_axes = self.gemm_value
+            return (f"C[{self._linear(idx, b_axes, F)}, {self._linear(idx, m_axes, F)}, "
+                    f"{self._linear(idx, n_axes, F)}]")
         op = n.op
         if op is Op.CONSTANT:
             return self.const(n.value, n.dtype)
         if op is Op.VIEW:
             return self.view_value(j, idx)
+        expr = self.compute(j, n, idx)
+        return self.let(expr) if j in self.shared and not self.guarded else expr
+
+    def compute(self, j: int, n, idx: tuple[str, ...]) -> str:
+        op = n.op
         a = [self.value(x, idx) for x in n.inputs] if op in GroupOp.Elementwise else []
         if op is Op.EXP2:
             return f"np.exp2({a[0]})"
@@ -274,7 +294,9 @@ class _KernelWriter:
                 break
             cur = self.unravel(self.let(flat), src_shape)
         else:
+            self.guarded += bool(conds)
             val = self.value(root, cur)
+            self.guarded -= bool(conds)
         if conds:
             zero = self.const(0.0, self.g.nodes[j].dtype)
             return f"({val} if ({' and '.join(conds)}) else {zero})"
@@ -361,9 +383,10 @@ class _KernelWriter:
         return lines
 
     def emit_gemm(self):
-        r = self.g.nodes[self.k.output]
+        gi = kernel_gemm(self.g, self.k)
+        r = self.g.nodes[gi]
         mul = self.g.nodes[r.inputs[0]]
-        gm = gemm_axes(self.g, self.k.output)
+        gm = gemm_axes(self.g, gi)
         m_axes, n_axes, b_axes = list(gm.m_axes), list(gm.n_axes), list(gm.batch_axes)
         F = mul.shape
         k = r.axis
@@ -378,7 +401,7 @@ class _KernelWriter:
         out_strides = contiguous_strides(r.shape)
         want = contiguous_strides(tuple(F[j] for j in b_axes + m_axes + n_axes))
         have = tuple(out_strides[j] for j in b_axes + m_axes + n_axes)
-        direct = have == want and not r.dtype.is_half
+        direct = have == want and not r.dtype.is_half and gi == self.k.output
         if direct:
             lines.append(f"    C = out[0:{_d(numel(r.shape))}].reshape(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}))")
         else:
@@ -397,12 +420,14 @@ class _KernelWriter:
                       f"        np.dot({a_at.format(bi='bi')}, {b_at.format(bi='bi')}, C[bi])"]
         if direct:
             return lines
-        loops, idx, depth = self.loops(tuple(F[j] if j != k else 1 for j in range(len(F))))
+        # store each element, through the epilogue when the kernel has one: the GEMM's value at
+        # an index is C's element there (value() asks self.gemm_value)
+        self.gemm_value = (gi, F, b_axes, m_axes, n_axes)
+        out = self.g.nodes[self.k.output]
+        loops, idx, depth = self.loops(out.shape, parallel=self.k.parallel and gi != self.k.output)
         lines += loops
-        bi = self._linear(idx, b_axes, F)
-        mi = self._linear(idx, m_axes, F)
-        ni = self._linear(idx, n_axes, F)
-        lines.append("    " * depth + f"out[{self.flat(r.shape, idx)}] = {self.store(r.dtype, f'C[{bi}, {mi}, {ni}]')}")
+        lines += self.statement("    " * depth, lambda: f"out[{self.flat(out.shape, idx)}] = "
+                                f"{self.store(out.dtype, self.value(self.k.output, tuple(idx)))}")
         return lines
 
     @staticmethod

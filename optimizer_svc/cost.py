@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kiln.ir.kernel import KernelGraph, gemm_axes
+from kiln.ir.kernel import KernelGraph, gemm_axes, kernel_gemm
 from kiln.ir.shape import evaluate_dim, numel
 from kiln.v1 import services_pb2
 
@@ -56,10 +56,11 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
                  + sum(elems(j) * g.nodes[j].dtype.itemsize for j in k.reads))
         memory = moved / (bw * share)
         if k.kind == "gemm":
-            ga = gemm_axes(g, k.output)
-            shape = [evaluate_dim(d, env) for d in g.nodes[g.nodes[k.output].inputs[0]].shape]
+            gi = kernel_gemm(g, k)
+            ga = gemm_axes(g, gi)
+            shape = [evaluate_dim(d, env) for d in g.nodes[g.nodes[gi].inputs[0]].shape]
             prod = lambda axes: math.prod(shape[a] for a in axes)  # noqa: E731
-            m, n, kk, batch = prod(ga.m_axes), prod(ga.n_axes), shape[g.nodes[k.output].axis], prod(ga.batch_axes)
+            m, n, kk, batch = prod(ga.m_axes), prod(ga.n_axes), shape[g.nodes[gi].axis], prod(ga.batch_axes)
             pool = threads if k.parallel else 1
             compute = 2.0 * batch * m * n * kk / (gemm_rate(profile, m, n, kk) * 1e9 * pool)
         else:

@@ -28,16 +28,17 @@ class Schedule:
     parallel_min_elements: int = 1 << 15  # elementwise/reduce loops this large run on the pool
     parallel_min_macs: int = 1 << 18      # GEMMs with this many multiply-adds split across the pool
     blas_min_macs: int = 0                # smaller GEMMs are generated loops (a fused reduction), not BLAS
+    epilogues: bool = True                # elementwise work on a GEMM's result runs in the GEMM's kernel
 
     def describe(self) -> str:
         show = lambda v: "never" if v >= NEVER else str(v)  # noqa: E731
         return (f"blas>={self.blas_min_macs} par>={show(self.parallel_min_elements)} "
-                f"gemm-par>={show(self.parallel_min_macs)}")
+                f"gemm-par>={show(self.parallel_min_macs)}{'' if self.epilogues else ' no-epilogue'}")
 
 
 DEFAULT_SCHEDULE = Schedule()
 # the grid candidate schedules are drawn from (optimizer.candidates ranks them by the cost model)
-SCHEDULE_GRID = tuple(Schedule(pe, pm, bm) for bm in (0, 1 << 12, 1 << 16)
+SCHEDULE_GRID = tuple(Schedule(pe, pm, bm, ep) for ep in (True, False) for bm in (0, 1 << 12, 1 << 16)
                       for pe in (1 << 15, 1 << 13, 1 << 17, NEVER)
                       for pm in (1 << 18, 1 << 16, 1 << 20, NEVER))
 
@@ -64,31 +65,66 @@ def partition(g: Graph, fuse: bool = True, schedule: Schedule = DEFAULT_SCHEDULE
             if ga is not None and len(users[node.inputs[0]]) == 1 and macs >= schedule.blas_min_macs:
                 gemms[i] = ga
                 materialize[ga.a_root] = materialize[ga.b_root] = True
-    for i, node in enumerate(g.nodes):
-        if node.op in (Op.CONSTANT, Op.VIEW) or materialize[i]:
+    # consumers before producers: a node is inlined when every real consumer (looking through
+    # views) is computed in one kernel and none reads it through a broadcast; a node read
+    # several times in its kernel is computed once per statement there (codegen names it)
+    root_of: dict[int, int] = {}
+    for i in reversed(range(n)):
+        node = g.nodes[i]
+        if node.op in (Op.CONSTANT, Op.VIEW):
             continue
-        if not fuse and (node.op in GroupOp.Elementwise or node.op is Op.IOTA):
-            materialize[i] = True
-            continue
-        # count real consumers, looking through views
-        readers = _readers(g, users, i)
-        if len(readers) != 1 or any(bcast for _, bcast in readers):
-            materialize[i] = True
+        if not materialize[i]:
+            if not fuse and (node.op in GroupOp.Elementwise or node.op is Op.IOTA):
+                materialize[i] = True
+            else:
+                readers = _readers(g, users, i)
+                roots = {root_of[u] for u, _ in readers}
+                if len(roots) != 1 or any(bcast for _, bcast in readers):
+                    materialize[i] = True
+                else:
+                    root_of[i] = roots.pop()
+        if materialize[i]:
+            root_of[i] = i
     for i in gemms:  # the Mul under a GEMM is computed by the GEMM, never materialized
         materialize[g.nodes[i].inputs[0]] = False
+    if fuse and schedule.epilogues:
+        _fuse_epilogues(g, users, outputs, gemms, materialize, root_of)
     kernels = []
     for i, node in enumerate(g.nodes):
         if not materialize[i] or node.op in (Op.INPUT, Op.WEIGHT):
             continue
         inside, reads = _collect(g, i, materialize)
-        kind = ("gemm" if i in gemms else "reduce" if node.op in GroupOp.Reduce else
+        gemm = next((j for j in inside if j in gemms), None)
+        kind = ("gemm" if gemm is not None else "reduce" if node.op in GroupOp.Reduce else
                 "gather" if node.op is Op.GATHER else "scatter" if node.op is Op.SCATTER else "elementwise")
-        total = evaluate_dim(numel(g.nodes[node.inputs[0]].shape if node.op in GroupOp.Reduce else node.shape),
+        work = g.nodes[gemm if gemm is not None else i]
+        total = evaluate_dim(numel(g.nodes[work.inputs[0]].shape if work.op in GroupOp.Reduce else work.shape),
                              largest)
         parallel = (total >= schedule.parallel_min_elements and kind in ("elementwise", "reduce")
                     or kind == "gemm" and total >= schedule.parallel_min_macs)
         kernels.append(Kernel(f"k{len(kernels)}_{kind}", kind, tuple(inside), i, tuple(reads), parallel))
     return KernelGraph(g, tuple(kernels))
+
+
+def _fuse_epilogues(g: Graph, users, outputs, gemms, materialize, root_of) -> None:
+    """Leave a GEMM's result unmaterialized when its readers are elementwise work that all ends
+    in one elementwise kernel holding no other GEMM: that kernel multiplies, then applies the
+    epilogue (bias, activation, residual) to each element as it stores it."""
+    claimed = set()
+    inner = set(gemms) | {g.nodes[i].inputs[0] for i in gemms}  # GEMMs and the Muls they consume
+    for i in sorted(gemms):
+        readers = _readers(g, users, i)
+        if i in outputs or not readers or any(b or u in inner or g.nodes[u].op not in GroupOp.Elementwise
+                                              for u, b in readers):
+            continue
+        roots = {root_of[u] for u, _ in readers}
+        if len(roots) != 1:
+            continue
+        root = roots.pop()
+        if root in claimed or root in inner or g.nodes[root].op not in GroupOp.Elementwise:
+            continue
+        claimed.add(root)
+        materialize[i] = False
 
 
 def _readers(g: Graph, users, i: int) -> list[tuple[int, bool]]:

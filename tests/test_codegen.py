@@ -34,7 +34,8 @@ def test_all_kernel_kinds_in_one_program(local_pipeline):
     table, w = torch.randn(5, 8), torch.randn(8, 6)
     x = torch.randn(2, 3, 4)
     x[1, 2, 1] = float("nan")
-    compiled = kiln.compile(Fn(fn), (ids, table, w, x), pipeline=local_pipeline)
+    # one candidate: the default schedule (a timed one may pick a generated loop for this tiny GEMM)
+    compiled = kiln.compile(Fn(fn), (ids, table, w, x), pipeline=local_pipeline, candidates=1)
     kinds = set(_kinds(local_pipeline, compiled))
     assert {"gather", "gemm", "reduce", "elementwise"} <= kinds
     out, mx = compiled(ids, table, w, x)
@@ -82,7 +83,7 @@ def test_gemm_through_views_that_do_not_compose(local_pipeline):
         return o @ w
 
     p, v, w = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 8, 16), torch.randn(64, 32)
-    compiled = kiln.compile(Fn(fn), (p, v, w), pipeline=local_pipeline)
+    compiled = kiln.compile(Fn(fn), (p, v, w), pipeline=local_pipeline, candidates=1)
     kinds = _kinds(local_pipeline, compiled)
     assert kinds.count("gemm") == 2 and "reduce" not in kinds, kinds
     assert torch.allclose(compiled(p, v, w), fn(p, v, w), rtol=1e-4, atol=1e-5)
@@ -91,7 +92,7 @@ def test_gemm_through_views_that_do_not_compose(local_pipeline):
 def test_parallel_gemm_splits_rows_and_matches(local_pipeline):
     x, w, b = torch.randn(300, 96), torch.randn(96, 80), torch.randn(80)
     fn = lambda x: torch.relu(x @ w + b)  # noqa: E731
-    compiled = kiln.compile(Fn(fn), (x,), pipeline=local_pipeline)
+    compiled = kiln.compile(Fn(fn), (x,), pipeline=local_pipeline, candidates=1)
     gemms = [k for k in _kernel_graph(local_pipeline, compiled).kernels if k.kind == "gemm"]
     assert len(gemms) == 1 and gemms[0].parallel
     bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
@@ -132,3 +133,19 @@ def test_kernels_are_content_addressed_and_checked(local_pipeline, tmp_path):
     d = local_pipeline.store.put_message(bad)
     with pytest.raises(InvalidArgument, match="not named by its source's hash"):
         local_pipeline.load(d, a.result.manifest)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_epilogue_bias_activation_residual_in_one_kernel(local_pipeline, dtype):
+    """x @ w + b, GELU and a residual add run as the GEMM kernel's epilogue (the bias and the
+    activation's repeated reads of their input are computed once per element)."""
+    torch.manual_seed(0)
+    x, r = torch.randn(40, 24).to(dtype), torch.randn(40, 32).to(dtype)
+    w, b = torch.randn(24, 32).to(dtype), torch.randn(32).to(dtype)
+    fn = lambda x, r: F.gelu(x @ w + b) + r  # noqa: E731
+    compiled = kiln.compile(Fn(fn), (x, r), pipeline=local_pipeline, candidates=1)
+    assert _kinds(local_pipeline, compiled) == ["gemm"]
+    got = compiled(x, r).float()
+    ref = F.gelu(x.float() @ w.float() + b.float()) + r.float()
+    tol = 1e-4 if dtype is torch.float32 else 3e-2  # bf16: one rounding of the output (8 bits)
+    assert torch.allclose(got, ref, rtol=tol, atol=tol), (got - ref).abs().max()

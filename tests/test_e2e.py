@@ -30,13 +30,14 @@ def test_kernel_graph_fuses_and_finds_gemms(local_pipeline):
     from kiln.v1 import ir_pb2
 
     model, inputs = mlp_example()
-    compiled = kiln.compile(model, inputs, pipeline=local_pipeline)
+    compiled = kiln.compile(model, inputs, pipeline=local_pipeline, candidates=1)  # the default schedule
     kg = kernel_graph_from_pb(local_pipeline.store.get_message(compiled.result.kernel_graph, ir_pb2.KernelGraph))
     kinds = [k.kind for k in kg.kernels]
     assert kinds.count("gemm") == 2  # fc1 and fc2, each a broadcast Mul + SumReduce
     # the bias add after each GEMM and the GELU polynomial are fused into loop nests
     compute = sum(1 for n in kg.graph.nodes if n.op.value not in ("Input", "Weight", "Constant", "View"))
     assert len(kg.kernels) <= compute // 2
+    assert torch.allclose(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
 
 
 def test_elementwise_chain_is_one_kernel(local_pipeline):

@@ -7,7 +7,7 @@ from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.evaluate import evaluate
 from kiln.ir.ops import Op
-from optimizer_svc.partition import partition
+from optimizer_svc.partition import Schedule, partition
 from optimizer_svc.search import SearchLimits, graph_cost, saturate
 
 SHAPE = (3, 4)
@@ -214,8 +214,10 @@ def test_partition_gemm_and_fusion():
 
     y = C.matmul(b, x, w)
     z = C.tanh(b, C.add(b, y, b.const(0.5, DType.F32, (4, 5))))
-    kg = partition(b.build([z]))
-    assert [k.kind for k in kg.kernels] == ["gemm", "elementwise"]
+    g = b.build([z])
+    # the bias and tanh are the GEMM's epilogue, or their own kernel when the schedule says so
+    assert [k.kind for k in partition(g).kernels] == ["gemm"]
+    assert [k.kind for k in partition(g, schedule=Schedule(epilogues=False)).kernels] == ["gemm", "elementwise"]
 
 
 def test_search_off_is_one_kernel_per_op():

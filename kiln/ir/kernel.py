@@ -66,6 +66,14 @@ class Gemm:
     batch_axes: tuple[int, ...]
 
 
+def kernel_gemm(g: Graph, k: Kernel) -> Optional[int]:
+    """The GEMM a gemm kernel computes: its output, or a SumReduce inside it whose result the
+    kernel's epilogue reads (every other reduction is its own kernel)."""
+    if k.kind != "gemm":
+        return None
+    return next((j for j in (k.output,) + k.nodes if g.nodes[j].op is Op.SUM_REDUCE), None)
+
+
 def view_root(g: Graph, i: int) -> tuple[int, list[ViewSpec]]:
     """The non-view node under a chain of views, and the chain (innermost first)."""
     chain = []
