@@ -175,6 +175,7 @@ class _KernelWriter:
         self.shared = {j for j in kernel.nodes if inside_users.get(j, 0) > 1
                        and kg.graph.nodes[j].op not in (Op.CONSTANT, Op.VIEW)}
         self.guarded = 0
+        self.row_values: dict[int, str] = {}  # row kernels: reductions already computed for the row
 
     def let(self, expr: str) -> str:
         if expr.isidentifier() or expr.isdigit():
@@ -224,6 +225,8 @@ class _KernelWriter:
     def value(self, j: int, idx: tuple[str, ...]) -> str:
         """Expression for node j's element at multi-index idx."""
         n = self.g.nodes[j]
+        if j in self.row_values:
+            return self.row_values[j]
         if j in self.reads:
             return self.load(n.dtype, f"{self.reads[j]}[{self.flat(n.shape, idx)}]")
         if self.gemm_value is not None and j == self.gemm_value[0]:
@@ -344,7 +347,7 @@ class _KernelWriter:
         node = self.g.nodes[self.k.output]
         kind = self.k.kind
         body = {"elementwise": self.emit_elementwise, "reduce": self.emit_reduce, "gemm": self.emit_gemm,
-                "gather": self.emit_gather, "scatter": self.emit_scatter}[kind]()
+                "gather": self.emit_gather, "scatter": self.emit_scatter, "row": self.emit_row}[kind]()
         par = "True" if self.k.parallel else "False"
         head = f"@njit(cache=True, parallel={par}, error_model='numpy', nogil=True)\n"
         return head + f"def {KERNEL_PLACEHOLDER}({self.signature()}):\n" + "\n".join(body) + "\n"
@@ -354,6 +357,42 @@ class _KernelWriter:
         lines, idx, depth = self.loops(n.shape, parallel=self.k.parallel)
         lines += self.statement("    " * depth, lambda: f"out[{self.flat(n.shape, idx)}] = "
                                 f"{self.store(n.dtype, self.value(self.k.output, tuple(idx)))}")
+        return lines
+
+    def emit_row(self):
+        """Per row (every index but the axis): each reduction's loop in order, its result a
+        local that later loops and the row's elements read; then the row is written. The
+        partition guarantees every read of a reduction here is within the current row."""
+        n = self.g.nodes[self.k.output]
+        a = self.k.axis
+        lines, idx, depth = self.loops(n.shape, skip_axis=a, parallel=self.k.parallel)
+        pad = "    " * depth
+        for q in self.k.nodes:
+            r = self.g.nodes[q]
+            if r.op not in GroupOp.Reduce:
+                continue
+            src = self.g.nodes[r.inputs[0]]
+            acc = f"acc{q}"
+            is_max = r.op is Op.MAX_REDUCE
+            init = (self.const(-math.inf, r.dtype) if r.dtype.is_float else str(-(1 << 62))) if is_max \
+                else self.const(0.0, r.dtype)
+            lines.append(pad + f"{acc} = {init}")
+            ridx = list(idx)
+            ridx[a] = "ra"
+            lines.append(pad + f"for ra in range({_d(src.shape[a])}):")
+            lines += self.statement(pad + "    ", lambda: f"v = {self.value(r.inputs[0], tuple(ridx))}")
+            if is_max:
+                test = f"(v > {acc} or v != v) and {acc} == {acc}" if r.dtype.is_float else f"v > {acc}"
+                lines += [pad + f"    if {test}:", pad + f"        {acc} = v"]
+            else:
+                lines.append(pad + f"    {acc} += v")
+            # the value a buffer would have held: 16-bit floats round as they would be stored
+            self.row_values[q] = f"{_ROUND[r.dtype]}({acc})" if r.dtype.is_half else acc
+        oidx = list(idx)
+        oidx[a] = "ia"
+        lines.append(pad + f"for ia in range({_d(n.shape[a])}):")
+        lines += self.statement(pad + "    ", lambda: f"out[{self.flat(n.shape, oidx)}] = "
+                                f"{self.store(n.dtype, self.value(self.k.output, tuple(oidx)))}")
         return lines
 
     def emit_reduce(self):

@@ -13,11 +13,13 @@ distinct partitions the schedule grid gives by the cost model; the fastest is fo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from kiln.ir.graph import Graph
 from kiln.ir.kernel import Kernel, KernelGraph, broadcasts, gemm_axes, view_root
 from kiln.ir.ops import GroupOp, Op
-from kiln.ir.shape import evaluate_dim, numel
+from kiln.ir.shape import contiguous_strides, evaluate_dim, numel
+from kiln.ir.view import ViewSpec
 
 NEVER = 1 << 62
 
@@ -29,18 +31,19 @@ class Schedule:
     parallel_min_macs: int = 1 << 18      # GEMMs with this many multiply-adds split across the pool
     blas_min_macs: int = 0                # smaller GEMMs are generated loops (a fused reduction), not BLAS
     epilogues: bool = True                # elementwise work on a GEMM's result runs in the GEMM's kernel
+    rows: bool = True                     # reductions read back along their row (softmax, norms) fuse into one kernel
 
     def describe(self) -> str:
         show = lambda v: "never" if v >= NEVER else str(v)  # noqa: E731
         return (f"blas>={self.blas_min_macs} par>={show(self.parallel_min_elements)} "
-                f"gemm-par>={show(self.parallel_min_macs)}{'' if self.epilogues else ' no-epilogue'}")
+                f"gemm-par>={show(self.parallel_min_macs)}{'' if self.epilogues else ' no-epilogue'}"
+                f"{'' if self.rows else ' no-rows'}")
 
 
 DEFAULT_SCHEDULE = Schedule()
 # the grid candidate schedules are drawn from (optimizer.candidates ranks them by the cost model)
-SCHEDULE_GRID = tuple(Schedule(pe, pm, bm, ep) for ep in (True, False) for bm in (0, 1 << 12, 1 << 16)
-                      for pe in (1 << 15, 1 << 13, 1 << 17, NEVER)
-                      for pm in (1 << 18, 1 << 16, 1 << 20, NEVER))
+SCHEDULE_GRID = tuple(Schedule(pe, pm, bm, ep, rows) for rows in (True, False) for ep in (True, False)
+                      for bm in (0, 1 << 16) for pe in (1 << 15, 1 << 13, NEVER) for pm in (1 << 18, 1 << 16, NEVER))
 
 
 def partition(g: Graph, fuse: bool = True, schedule: Schedule = DEFAULT_SCHEDULE) -> KernelGraph:
@@ -89,20 +92,23 @@ def partition(g: Graph, fuse: bool = True, schedule: Schedule = DEFAULT_SCHEDULE
         materialize[g.nodes[i].inputs[0]] = False
     if fuse and schedule.epilogues:
         _fuse_epilogues(g, users, outputs, gemms, materialize, root_of)
+    row_axis = _fuse_rows(g, users, outputs, gemms, materialize) if fuse and schedule.rows else {}
     kernels = []
     for i, node in enumerate(g.nodes):
         if not materialize[i] or node.op in (Op.INPUT, Op.WEIGHT):
             continue
         inside, reads = _collect(g, i, materialize)
         gemm = next((j for j in inside if j in gemms), None)
-        kind = ("gemm" if gemm is not None else "reduce" if node.op in GroupOp.Reduce else
+        kind = ("gemm" if gemm is not None else "row" if i in row_axis else
+                "reduce" if node.op in GroupOp.Reduce else
                 "gather" if node.op is Op.GATHER else "scatter" if node.op is Op.SCATTER else "elementwise")
         work = g.nodes[gemm if gemm is not None else i]
         total = evaluate_dim(numel(g.nodes[work.inputs[0]].shape if work.op in GroupOp.Reduce else work.shape),
                              largest)
-        parallel = (total >= schedule.parallel_min_elements and kind in ("elementwise", "reduce")
+        parallel = (total >= schedule.parallel_min_elements and kind in ("elementwise", "reduce", "row")
                     or kind == "gemm" and total >= schedule.parallel_min_macs)
-        kernels.append(Kernel(f"k{len(kernels)}_{kind}", kind, tuple(inside), i, tuple(reads), parallel))
+        kernels.append(Kernel(f"k{len(kernels)}_{kind}", kind, tuple(inside), i, tuple(reads), parallel,
+                              row_axis.get(i, -1)))
     return KernelGraph(g, tuple(kernels))
 
 
@@ -125,6 +131,120 @@ def _fuse_epilogues(g: Graph, users, outputs, gemms, materialize, root_of) -> No
             continue
         claimed.add(root)
         materialize[i] = False
+
+
+def row_broadcast_axis(v: ViewSpec, src_shape) -> Optional[int]:
+    """The axis a when view v reads a [.., 1, ..] tensor back along a (stride 0 there, its own
+    contiguous strides elsewhere, no offset or mask), else None."""
+    if v.mask is not None or v.offset != 0 or len(v.shape) != len(src_shape):
+        return None
+    axes = [k for k, (d, sd) in enumerate(zip(v.shape, src_shape)) if d != sd]
+    if len(axes) != 1 or src_shape[axes[0]] != 1:
+        return None
+    want = list(contiguous_strides(src_shape))
+    want[axes[0]] = 0
+    return axes[0] if tuple(v.strides) == tuple(want) else None
+
+
+def _fuse_rows(g: Graph, users, outputs, gemms, materialize) -> dict[int, int]:
+    """Row kernels: softmax, layer norm and RMS norm as one kernel each. An elementwise kernel
+    over shape S that reads, back along one axis a, a reduction over a (directly or through
+    elementwise work on the reduced shape) takes that reduction in: per row it runs each
+    reduction's loop, then writes the row. A buffer is absorbed when all its readers are in
+    the kernel and every read stays within the row: per-element values (shape S) read
+    directly, row values (S with a = 1) read directly by row values or through the one view
+    that broadcasts them along a. Returns each row kernel's root and axis."""
+    out: dict[int, int] = {}
+    absorbed: set[int] = set()
+    for root in reversed(range(len(g.nodes))):
+        node = g.nodes[root]
+        if not materialize[root] or node.op not in GroupOp.Elementwise or root in absorbed:
+            continue
+        S = tuple(node.shape)
+        members = set(_collect(g, root, materialize)[0])
+        if any(j in gemms for j in members):
+            continue
+        axis = None
+        grew = True
+        while grew:
+            grew = False
+            for q in sorted(_member_reads(g, members, materialize), reverse=True):
+                a = _absorbable(g, users, outputs, gemms, materialize, members, q, S, axis)
+                if a is None:
+                    continue
+                axis = a
+                materialize[q] = False
+                absorbed.add(q)
+                members |= set(_collect(g, q, materialize)[0])
+                grew = True
+                break
+        if axis is not None:
+            out[root] = axis
+    return out
+
+
+def _member_reads(g: Graph, members: set[int], materialize) -> set[int]:
+    reads = set()
+    for m in members:
+        if g.nodes[m].op is Op.VIEW:
+            continue
+        for x in g.nodes[m].inputs:
+            r = view_root(g, x)[0]
+            if materialize[r] and r not in members:
+                reads.add(r)
+    return reads
+
+
+def _absorbable(g: Graph, users, outputs, gemms, materialize, members, q: int, S, axis) -> Optional[int]:
+    """The row axis under which buffer q can join the row kernel over S, or None."""
+    n = g.nodes[q]
+    if q in outputs or q in gemms or n.op in GroupOp.Leaf or n.op in (Op.GATHER, Op.SCATTER):
+        return None
+    if n.op not in GroupOp.Elementwise and n.op not in GroupOp.Reduce:
+        return None
+    if any(u not in members for u, _ in _readers(g, users, q)):
+        return None
+    if any(j in gemms for j in _collect(g, q, materialize)[0]):  # an epilogue stays in its GEMM
+        return None
+    shape = tuple(n.shape)
+    if n.op in GroupOp.Reduce:
+        a = n.axis
+        if tuple(g.nodes[n.inputs[0]].shape) != S or S[a] == 1 or axis not in (None, a):
+            return None
+    elif shape == S:
+        a = axis
+    else:
+        a = axis
+        if a is None:  # a row value's axis: where its shape is 1 and S is not
+            diff = [k for k, (d, sd) in enumerate(zip(shape, S)) if d != sd] if len(shape) == len(S) else []
+            if len(diff) != 1:
+                return None
+            a = diff[0]
+    row = tuple(1 if k == a else d for k, d in enumerate(S)) if a is not None else None
+    is_row = shape == row and shape != S
+    if not is_row and shape != S:
+        return None
+    for m in members:  # every read of q from the kernel stays in the row
+        mn = g.nodes[m]
+        if mn.op is Op.VIEW:
+            continue
+        m_row = mn.op in GroupOp.Reduce or tuple(mn.shape) == row
+        for x in mn.inputs:
+            if view_root(g, x)[0] != q:
+                continue
+            if x == q:
+                if mn.op in GroupOp.Reduce:
+                    if is_row:  # a reduction's input is per element
+                        return None
+                elif m_row != is_row:
+                    return None
+            else:
+                v = g.nodes[x]
+                if not is_row or m_row or g.nodes[v.inputs[0]].op is Op.VIEW or v.inputs[0] != q:
+                    return None
+                if row_broadcast_axis(v.view, shape) != a:
+                    return None
+    return a
 
 
 def _readers(g: Graph, users, i: int) -> list[tuple[int, bool]]:

@@ -149,3 +149,47 @@ def test_gemm_epilogue_bias_activation_residual_in_one_kernel(local_pipeline, dt
     ref = F.gelu(x.float() @ w.float() + b.float()) + r.float()
     tol = 1e-4 if dtype is torch.float32 else 3e-2  # bf16: one rounding of the output (8 bits)
     assert torch.allclose(got, ref, rtol=tol, atol=tol), (got - ref).abs().max()
+
+
+class _Norms(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(24)
+        self.w = torch.nn.Parameter(torch.randn(24))
+
+    def forward(self, x, y, mask):
+        s = torch.softmax(x + mask, -1)                                     # masked softmax
+        r = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w  # RMS norm
+        return s, self.ln(y), r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_and_norms_are_one_row_kernel_each(local_pipeline, dtype):
+    """Softmax, layer norm and RMS norm: their reductions and the elementwise work reading them
+    back run as one kernel per row (max, then sum, then the row written), matching torch;
+    -inf mask entries stay exact and a fully masked row is NaN as in torch."""
+    torch.manual_seed(0)
+    m = _Norms().to(dtype)
+    x, y = torch.randn(3, 5, 24).to(dtype), torch.randn(3, 5, 24).to(dtype)
+    mask = torch.zeros(3, 5, 24, dtype=dtype)
+    mask[0, :, 10:] = float("-inf")
+    mask[1, 2, :] = float("-inf")
+    compiled = kiln.compile(m, (x, y, mask), pipeline=local_pipeline, candidates=1)
+    assert _kinds(local_pipeline, compiled) == ["row", "row", "row"]
+    tol = 1e-5 if dtype is torch.float32 else 2e-2  # bf16: output rounding (8 bits)
+    with torch.no_grad():
+        for got, ref in zip(compiled(x, y, mask), m(x, y, mask)):
+            assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol, equal_nan=True)
+    s = compiled(x, y, mask)[0]
+    assert torch.isnan(s[1, 2]).all() and (s[0, :, 10:] == 0).all()
+
+
+def test_row_fusion_is_a_schedule_choice():
+    from importer_svc.importer import lower_program
+    from optimizer_svc.partition import Schedule, partition
+
+    x, y, mask = torch.randn(3, 5, 24), torch.randn(3, 5, 24), torch.zeros(3, 5, 24)
+    g, _ = lower_program(torch.export.export(_Norms(), (x, y, mask)))
+    on, off = partition(g), partition(g, schedule=Schedule(rows=False))
+    assert [k.kind for k in on.kernels] == ["row"] * 3
+    assert len(off.kernels) > 6 and "row" not in {k.kind for k in off.kernels}

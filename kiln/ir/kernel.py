@@ -19,6 +19,7 @@ class Kernel:
     output: int
     reads: tuple[int, ...]    # materialized nodes read
     parallel: bool
+    axis: int = -1            # row kernels: the axis their reductions run along
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class KernelGraph:
     kernels: tuple[Kernel, ...]
 
 
-KERNEL_KINDS = ("elementwise", "reduce", "gemm", "gather", "scatter")
+KERNEL_KINDS = ("elementwise", "reduce", "gemm", "gather", "scatter", "row")
 
 # generated kernels are content-addressed: the function is written as KERNEL_PLACEHOLDER, the
 # module text hashed, and the placeholder replaced by the symbol the hash gives
@@ -137,7 +138,7 @@ def kernel_graph_to_pb(kg: KernelGraph, source_graph=None):
     p = ir_pb2.KernelGraph(graph=graph_to_pb(kg.graph))
     for k in kg.kernels:
         p.kernels.add(name=k.name, kind=k.kind, nodes=list(k.nodes), output=k.output, reads=list(k.reads),
-                      parallel=k.parallel)
+                      parallel=k.parallel, axis=k.axis)
     if source_graph is not None:
         p.source_graph.CopyFrom(source_graph.to_pb())
     return p
@@ -152,5 +153,7 @@ def kernel_graph_from_pb(p) -> KernelGraph:
         ids = list(k.nodes) + list(k.reads) + [k.output]
         if any(not 0 <= i < len(g.nodes) for i in ids) or k.kind not in KERNEL_KINDS:
             raise ValueError(f"kernel {k.name!r} is malformed (unknown kind or node out of range)")
-        kernels.append(Kernel(k.name, k.kind, tuple(k.nodes), k.output, tuple(k.reads), k.parallel))
+        if k.kind == "row" and not 0 <= k.axis < len(g.nodes[k.output].shape):
+            raise ValueError(f"row kernel {k.name!r} has no valid axis")
+        kernels.append(Kernel(k.name, k.kind, tuple(k.nodes), k.output, tuple(k.reads), k.parallel, k.axis))
     return KernelGraph(g, tuple(kernels))
