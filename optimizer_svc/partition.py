@@ -169,7 +169,7 @@ def _fuse_rows(g: Graph, users, outputs, gemms, materialize) -> dict[int, int]:
         while grew:
             grew = False
             for q in sorted(_member_reads(g, members, materialize), reverse=True):
-                a = _absorbable(g, users, outputs, gemms, materialize, members, q, S, axis)
+                a = _absorbable(g, users, outputs, gemms, materialize, root, members, q, S, axis)
                 if a is None:
                     continue
                 axis = a
@@ -195,7 +195,28 @@ def _member_reads(g: Graph, members: set[int], materialize) -> set[int]:
     return reads
 
 
-def _absorbable(g: Graph, users, outputs, gemms, materialize, members, q: int, S, axis) -> Optional[int]:
+def _aligned(g: Graph, root: int, members: set[int]) -> set[int]:
+    """Members evaluated at the kernel's own index: the root, and what aligned members read
+    directly (a reduction reads its input along the row). A member reached through a view may
+    be evaluated at another row, so no row value may be read from it."""
+    aligned, stack = {root}, [root]
+    while stack:
+        m = stack.pop()
+        for x in g.nodes[m].inputs:
+            if x in members and x not in aligned and g.nodes[x].op is not Op.VIEW:
+                aligned.add(x)
+                stack.append(x)
+            elif g.nodes[x].op is Op.VIEW and g.nodes[x].inputs[0] in members:
+                r = g.nodes[x].inputs[0]  # a row value read back along the row
+                if r not in aligned and g.nodes[r].op is not Op.VIEW and \
+                        row_broadcast_axis(g.nodes[x].view, g.nodes[r].shape) is not None:
+                    aligned.add(r)
+                    stack.append(r)
+    return aligned
+
+
+def _absorbable(g: Graph, users, outputs, gemms, materialize, root: int, members, q: int, S,
+                axis) -> Optional[int]:
     """The row axis under which buffer q can join the row kernel over S, or None."""
     n = g.nodes[q]
     if q in outputs or q in gemms or n.op in GroupOp.Leaf or n.op in (Op.GATHER, Op.SCATTER):
@@ -224,11 +245,14 @@ def _absorbable(g: Graph, users, outputs, gemms, materialize, members, q: int, S
     is_row = shape == row and shape != S
     if not is_row and shape != S:
         return None
+    aligned = _aligned(g, root, members)
     for m in members:  # every read of q from the kernel stays in the row
         mn = g.nodes[m]
         if mn.op is Op.VIEW:
             continue
         m_row = mn.op in GroupOp.Reduce or tuple(mn.shape) == row
+        if m not in aligned and any(view_root(g, x)[0] == q for x in mn.inputs):
+            return None  # its index is not the kernel's (a view permutes or reshapes it)
         for x in mn.inputs:
             if view_root(g, x)[0] != q:
                 continue

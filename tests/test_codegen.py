@@ -193,3 +193,26 @@ def test_row_fusion_is_a_schedule_choice():
     on, off = partition(g), partition(g, schedule=Schedule(rows=False))
     assert [k.kind for k in on.kernels] == ["row"] * 3
     assert len(off.kernels) > 6 and "row" not in {k.kind for k in off.kernels}
+
+
+def test_row_value_read_through_a_transpose_is_not_fused_with_the_wrong_row(local_pipeline):
+    """An RMS norm whose result is read transposed: the kernel's rows are not the norm's rows,
+    so the norm's reduction must not become a per-row local of that kernel. The partition of
+    the unrewritten graph is emitted and run as is, and checked against torch."""
+    from importer_svc.importer import lower_program
+    from kiln.ir.kernel import kernel_graph_to_pb
+    from optimizer_svc.partition import partition
+
+    class M(torch.nn.Module):
+        def forward(self, x, y):
+            t = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return t.transpose(-1, -2) + y
+
+    x, y = torch.randn(2, 6, 6), torch.randn(2, 6, 6)
+    g, _ = lower_program(torch.export.export(M(), (x, y)))
+    kg = partition(g)
+    store = local_pipeline.store
+    bundle, _, _ = local_pipeline.emit(store.put_message(kernel_graph_to_pb(kg)))
+    sid = local_pipeline.load(bundle, store.put_message(ir_pb2.WeightManifest()))
+    (_, out), = local_pipeline.run(sid, [("x", x.numpy()), ("y", y.numpy())])
+    np.testing.assert_allclose(out, M()(x, y).numpy(), rtol=1e-5, atol=1e-5)
