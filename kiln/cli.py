@@ -37,9 +37,12 @@ def cmd_compile(args) -> int:
         program = p.store.put(path.read_bytes())  # the importer loads it safely, wherever it runs
     else:
         _load_model(args)  # raises the error that says what is expected
-    profile = p.calibrate(args.target)[0] if args.predict or (args.candidates > 1 and not args.no_search) else None
+    from kiln.pipeline import default_candidates
+
+    candidates = args.candidates if args.candidates is not None else default_candidates()
+    profile = p.calibrate(args.target)[0] if args.predict or (candidates > 1 and not args.no_search) else None
     r = p.compile_program(program, search=not args.no_search, target=args.target, target_profile=profile,
-                          candidates=args.candidates)
+                          candidates=candidates)
     out = {"program": str(program), "graph": str(r.graph), "manifest": str(r.manifest),
            "kernel_graph": str(r.kernel_graph), "bundle": str(r.bundle), "kernels": r.kernels,
            "peak_bytes": r.peak_bytes, "search": r.report.stop_reason, "nodes_before": r.report.nodes_before,
@@ -177,9 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target", default="cpu")
     c.add_argument("--predict", action="store_true",
                    help="calibrate the target (once per machine kind) and report the predicted run time")
-    c.add_argument("--candidates", type=int, default=8,
-                   help="schedule candidates to time on the executor, the fastest kept (1: the cost model's pick, "
-                        "no timing); a compile with several calibrates the target first, once per machine kind")
+    c.add_argument("--candidates", type=int, default=None,
+                   help="schedule candidates to time on the executor, the fastest kept (default $KILN_CANDIDATES "
+                        "or 8; 1: the cost model's pick, no timing); with several the target is calibrated first, "
+                        "once per machine kind")
     c.set_defaults(fn=cmd_compile)
     cal = sub.add_parser("calibrate", help="measure the target's cost-model constants (GEMM rates, bandwidth, "
                                            "kernel overhead); kept in the store per target fingerprint")

@@ -22,7 +22,18 @@ from kiln.tensors import array_from_pb, array_to_pb, numpy_to_torch, torch_to_nu
 from kiln.v1 import services_pb2
 
 STAGES = ("importer", "optimizer", "codegen", "executor")
-DEFAULT_CANDIDATES = 8  # schedule candidates a compile times on the executor
+DEFAULT_CANDIDATES = 8  # schedule candidates a compile times on the executor (KILN_CANDIDATES overrides)
+
+
+def default_candidates() -> int:
+    v = os.environ.get("KILN_CANDIDATES", "")
+    try:
+        n = int(v) if v else DEFAULT_CANDIDATES
+    except ValueError:
+        raise errors.InvalidArgument(f"KILN_CANDIDATES must be a whole number, got {v!r}") from None
+    if n < 1:
+        raise errors.InvalidArgument(f"KILN_CANDIDATES must be at least 1, got {n}")
+    return n
 CHOOSE_REPEATS = 20
 CHOOSE_VERSION = "choose-1"
 
@@ -171,11 +182,12 @@ class Pipeline:
     # ---- whole compiles ----
 
     def compile_program(self, program: Digest, search: bool = True, target: str = "cpu",
-                        target_profile: Optional[Digest] = None, candidates: int = DEFAULT_CANDIDATES
+                        target_profile: Optional[Digest] = None, candidates: Optional[int] = None
                         ) -> CompileResult:
         """Import, optimize, emit. With the search on and more than one candidate, the
         optimizer's best predicted schedules (under the target's calibrated profile, measured
         once per target) are emitted and timed on the executor, and the fastest is kept."""
+        candidates = default_candidates() if candidates is None else candidates
         with span("kiln.compile_program", **{"kiln.program": str(program), "kiln.remote": self.remote}):
             graph, manifest = self.import_program(program)
             if search and candidates > 1 and target_profile is None:
@@ -262,10 +274,11 @@ class CompiledModule:
 
 def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, *, search: bool = True,
             target: str = "cpu", pipeline: Optional[Pipeline] = None, dynamic_shapes=None,
-            candidates: int = DEFAULT_CANDIDATES) -> CompiledModule:
+            candidates: Optional[int] = None) -> CompiledModule:
     """Compile an nn.Module for the example inputs' shapes, or for every shape `dynamic_shapes`
     (torch.export's argument, with torch.export.Dim) allows; returns a callable with its signature.
-    `candidates` schedules are timed on the executor and the fastest kept (1: the cost model's pick)."""
+    `candidates` schedules are timed on the executor and the fastest kept (1: the cost model's pick;
+    default $KILN_CANDIDATES or 8)."""
     import torch
 
     pipeline = pipeline or Pipeline()

@@ -14,6 +14,9 @@ _TMP = Path(tempfile.mkdtemp(prefix="kiln-tests-"))
 # test runs never touch the user's ~/.cache/kiln; the kernel cache is shared within a run
 os.environ.setdefault("KILN_KERNEL_CACHE", str(_TMP / "kernels"))
 os.environ["KILN_TRACE_FILE"] = str(_TMP / "traces.jsonl")
+# compiles in tests take the cost model's pick: timing 8 schedule candidates (each a compile
+# of its kernels) per model would double the suite; tests/test_candidates.py times candidates
+os.environ["KILN_CANDIDATES"] = "1"
 os.environ["KILN_STORE"] = f"file://{_TMP / 'store'}"
 for _s in ("IMPORTER", "OPTIMIZER", "CODEGEN", "EXECUTOR"):
     os.environ.pop(f"KILN_{_s}_ADDR", None)

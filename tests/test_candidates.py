@@ -10,9 +10,11 @@ from kiln.digest import Digest
 from kiln.examples import mlp_example
 
 
-def test_candidates_are_timed_and_the_fastest_is_kept(local_pipeline):
+def test_candidates_are_timed_and_the_fastest_is_kept(pipeline):
+    """In process and over gRPC (Calibrate, Optimize, Emit and Profile on the services)."""
+    local_pipeline = pipeline
     model, (x,) = mlp_example()
-    compiled = kiln.compile(model, (x,), pipeline=local_pipeline)
+    compiled = kiln.compile(model, (x,), pipeline=local_pipeline, candidates=8)
     report = compiled.result.report
     cands = list(report.candidates)
     assert 2 <= len(cands) <= 8
@@ -34,13 +36,14 @@ def test_candidates_are_timed_and_the_fastest_is_kept(local_pipeline):
         (_, out), = local_pipeline.run(sid, [("x", x.numpy())])
         np.testing.assert_allclose(out, ref.numpy(), rtol=1e-4, atol=1e-5, err_msg=c.schedule)
     # the choice is made once: a second compile reads it from the action cache
-    again = kiln.compile(model, (x,), pipeline=local_pipeline)
+    again = kiln.compile(model, (x,), pipeline=local_pipeline, candidates=8)
     assert again.result.report == report and again.result.bundle == compiled.result.bundle
 
 
-def test_one_candidate_is_the_cost_models_pick_untimed(local_pipeline):
+def test_one_candidate_is_the_cost_models_pick_untimed(local_pipeline, monkeypatch):
+    monkeypatch.setenv("KILN_CANDIDATES", "1")  # the default, from the environment
     model, (x,) = mlp_example()
-    compiled = kiln.compile(model, (x,), pipeline=local_pipeline, candidates=1)
+    compiled = kiln.compile(model, (x,), pipeline=local_pipeline)
     (c,) = compiled.result.report.candidates
     assert c.measured_s == 0 and not c.chosen
     assert Digest.from_pb(c.kernel_graph) == compiled.result.kernel_graph
@@ -61,10 +64,36 @@ def test_schedule_grid_changes_the_partition():
     assert any(k.kind == "gemm" for k in partition(g).kernels)
 
 
-def test_candidates_bound_is_checked(local_pipeline):
+def test_candidates_bound_is_checked(monkeypatch):
     from kiln.errors import InvalidArgument
+    from kiln.pipeline import default_candidates
     from optimizer_svc.optimizer import MAX_CANDIDATES, OptimizeOptions, check_options
 
     for bad in (0, MAX_CANDIDATES + 1):
         with pytest.raises(InvalidArgument, match="candidates"):
             check_options(OptimizeOptions(candidates=bad))
+    for bad in ("0", "many"):
+        monkeypatch.setenv("KILN_CANDIDATES", bad)
+        with pytest.raises(InvalidArgument, match="KILN_CANDIDATES"):
+            default_candidates()
+
+
+def test_every_candidate_of_an_encoder_matches_eager(local_pipeline):
+    """Attention, layer norms and GEMMs under each timed schedule (row kernels or not, epilogues
+    or not, BLAS or generated-loop GEMMs, parallel or serial) compute the same outputs."""
+    from kiln.examples import encoder_example
+
+    model, (x,) = encoder_example()
+    compiled = kiln.compile(model, (x,), pipeline=local_pipeline, candidates=8)
+    cands = list(compiled.result.report.candidates)
+    assert len(cands) == 8 and sum(c.chosen for c in cands) == 1
+    with torch.no_grad():
+        ref = model(x).numpy()
+    schedules = set()
+    for c in cands:
+        schedules.add(c.schedule)
+        bundle, _, _ = local_pipeline.emit(Digest.from_pb(c.kernel_graph))
+        sid = local_pipeline.load(bundle, compiled.result.manifest)
+        (_, out), = local_pipeline.run(sid, [("x", x.numpy())])
+        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5, err_msg=c.schedule)
+    assert len(schedules) == 8
