@@ -1,8 +1,9 @@
 """Does the search matter? Per model: primitive nodes, kernels with and without the search,
 optimize time, and run latency of the searched program over the same model compiled with the
-search off (one kernel per primitive op), interleaved in one run, medians over repeats.
+search off (one kernel per primitive op), interleaved in one run, medians over repeats. The
+searched compile times its schedule candidates ($KILN_CANDIDATES or 8) and keeps the fastest.
 
-    .venv/bin/python benchmarks/search.py [--repeats 20] [--layers 2]
+    .venv/bin/python benchmarks/search.py [--repeats 20] [--layers 2] [--candidates]
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--only", default=None, help="substring of the model names to run")
+    ap.add_argument("--candidates", action="store_true",
+                    help="also list the searched compile's timed candidates (predicted and measured)")
     args = ap.parse_args()
     import kiln
     from kiln.pipeline import Pipeline
@@ -90,6 +93,10 @@ def main() -> int:
         print(f"{name:<34} {r.nodes_before:>6} {r.nodes_after:>6} {off.result.kernels:>6} {on.result.kernels:>5} "
               f"{r.seconds:>6.2f} {r.stop_reason:<16} {m_off:>8.2f} {m_on:>8.2f} {m_off / m_on:>7.2f}x {err:>9.2e}",
               flush=True)
+        if args.candidates:  # the searched compile's timed schedules: the cost model's error, visible
+            for c in r.candidates:
+                print(f"    {'*' if c.chosen else ' '} {c.schedule:<48} {c.kernels:>4} kernels  predicted "
+                      f"{c.predicted_s * 1e3:8.3f} ms  measured {c.measured_s * 1e3:8.3f} ms", flush=True)
     return 0
 
 
