@@ -371,21 +371,8 @@ class _KernelWriter:
             r = self.g.nodes[q]
             if r.op not in GroupOp.Reduce:
                 continue
-            src = self.g.nodes[r.inputs[0]]
             acc = f"acc{q}"
-            is_max = r.op is Op.MAX_REDUCE
-            init = (self.const(-math.inf, r.dtype) if r.dtype.is_float else str(-(1 << 62))) if is_max \
-                else self.const(0.0, r.dtype)
-            lines.append(pad + f"{acc} = {init}")
-            ridx = list(idx)
-            ridx[a] = "ra"
-            lines.append(pad + f"for ra in range({_d(src.shape[a])}):")
-            lines += self.statement(pad + "    ", lambda: f"v = {self.value(r.inputs[0], tuple(ridx))}")
-            if is_max:
-                test = f"(v > {acc} or v != v) and {acc} == {acc}" if r.dtype.is_float else f"v > {acc}"
-                lines += [pad + f"    if {test}:", pad + f"        {acc} = v"]
-            else:
-                lines.append(pad + f"    {acc} += v")
+            lines += self.reduction(pad, q, idx, acc)
             # the value a buffer would have held: 16-bit floats round as they would be stored
             self.row_values[q] = f"{_ROUND[r.dtype]}({acc})" if r.dtype.is_half else acc
         oidx = list(idx)
@@ -395,27 +382,30 @@ class _KernelWriter:
                                 f"{self.store(n.dtype, self.value(self.k.output, tuple(oidx)))}")
         return lines
 
-    def emit_reduce(self):
-        n = self.g.nodes[self.k.output]
-        src = n.inputs[0]
-        in_shape = self.g.nodes[src].shape
-        lines, idx, depth = self.loops(n.shape, skip_axis=n.axis, parallel=self.k.parallel)
-        pad = "    " * depth
-        is_max = n.op is Op.MAX_REDUCE
-        init = (self.const(-math.inf, n.dtype) if n.dtype.is_float else str(-(1 << 62))) if is_max \
-            else self.const(0.0, n.dtype)
-        lines.append(pad + f"acc = {init}")
+    def reduction(self, pad: str, q: int, idx, acc: str) -> list[str]:
+        """Reduce node q along its axis into the local `acc`, at the outer index idx."""
+        r = self.g.nodes[q]
+        src = r.inputs[0]
+        is_max = r.op is Op.MAX_REDUCE
+        init = (self.const(-math.inf, r.dtype) if r.dtype.is_float else str(-(1 << 62))) if is_max \
+            else self.const(0.0, r.dtype)
         ridx = list(idx)
-        ridx[n.axis] = "ra"
-        lines.append(pad + f"for ra in range({_d(in_shape[n.axis])}):")
+        ridx[r.axis] = "ra"
+        lines = [pad + f"{acc} = {init}", pad + f"for ra in range({_d(self.g.nodes[src].shape[r.axis])}):"]
         lines += self.statement(pad + "    ", lambda: f"v = {self.value(src, tuple(ridx))}")
         if is_max:
             # NaN is sticky, as in torch.max: once acc is NaN nothing replaces it
-            test = "(v > acc or v != v) and acc == acc" if n.dtype.is_float else "v > acc"
-            lines.append(pad + f"    if {test}:")
-            lines.append(pad + "        acc = v")
+            test = f"(v > {acc} or v != v) and {acc} == {acc}" if r.dtype.is_float else f"v > {acc}"
+            lines += [pad + f"    if {test}:", pad + f"        {acc} = v"]
         else:
-            lines.append(pad + "    acc += v")
+            lines.append(pad + f"    {acc} += v")
+        return lines
+
+    def emit_reduce(self):
+        n = self.g.nodes[self.k.output]
+        lines, idx, depth = self.loops(n.shape, skip_axis=n.axis, parallel=self.k.parallel)
+        pad = "    " * depth
+        lines += self.reduction(pad, self.k.output, idx, "acc")
         oidx = list(idx)
         oidx[n.axis] = "0"
         lines.append(pad + f"out[{self.flat(n.shape, oidx)}] = {self.store(n.dtype, 'acc')}")

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from kiln import errors
+from kiln import cache, errors
 from kiln.digest import Digest
 from kiln.store import BlobStore, open_store
 from kiln.telemetry import setup_tracing, span
@@ -204,23 +204,20 @@ class Pipeline:
         """Emit and time the report's candidates on the executor (Executor.Profile, interleaved,
         medians); the fastest wins. The report comes back with each candidate's measured time.
         A choice is recorded in the action cache per target fingerprint, so it is made once."""
-        from kiln import cache
-        from kiln.v1 import services_pb2 as pb
-
-        fingerprint = (self.store.get_message(target_profile, pb.TargetProfile).fingerprint
+        fingerprint = (self.store.get_message(target_profile, services_pb2.TargetProfile).fingerprint
                        if target_profile is not None else "")
         kgs = [Digest.from_pb(c.kernel_graph) for c in report.candidates]
         key = cache.action_key("choose", CHOOSE_VERSION, {f"candidate{i}": d for i, d in enumerate(kgs)},
                                {"target": target, "fingerprint": fingerprint})
         hit = cache.lookup(self.store, key)
         if hit is not None:
-            return hit["kernel_graph"], self.store.get_message(hit["report"], pb.OptimizeReport)
+            return hit["kernel_graph"], self.store.get_message(hit["report"], services_pb2.OptimizeReport)
         with span("kiln.choose", **{"kiln.candidates": len(kgs)}) as s:
             bundles = [self.emit(d, target)[0] for d in kgs]
             timings = self.profile(bundles, manifest, repeats=CHOOSE_REPEATS)
             best = min(range(len(kgs)), key=lambda i: timings[i][1])
             s.set_attribute("kiln.chosen", best)
-        out = pb.OptimizeReport()
+        out = services_pb2.OptimizeReport()
         out.CopyFrom(report)
         for i, (c, (_, median, _)) in enumerate(zip(out.candidates, timings)):
             c.measured_s = median

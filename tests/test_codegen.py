@@ -116,7 +116,7 @@ def test_long_view_chain_with_search_off_compiles_and_matches(local_pipeline):
     assert torch.equal(compiled(x), fn(x))
 
 
-def test_kernels_are_content_addressed_and_checked(local_pipeline, tmp_path):
+def test_kernels_are_content_addressed_and_checked(local_pipeline):
     """Two models sharing a kernel share its module (compiled once per machine); a bundle whose
     kernel is not named by its source's hash is refused before anything is written."""
     from kiln.errors import InvalidArgument
