@@ -14,6 +14,7 @@ import os
 import platform
 import statistics
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -101,10 +102,11 @@ def measure(target: str = "cpu", repeats: int = 7) -> services_pb2.TargetProfile
     return p
 
 
-def calibrate(store: BlobStore, target: str = "cpu", force: bool = False) -> tuple[Digest, services_pb2.TargetProfile, bool]:
+def calibrate(store: BlobStore, target: str = "cpu", force: bool = False
+              ) -> tuple[Digest, services_pb2.TargetProfile, bool]:
     """The target's profile digest, the profile, and whether it came from the store."""
     fp = fingerprint(target)
-    key = cache.action_key("calibrate", CALIBRATE_VERSION, {}, {"target": target, "fingerprint": fp})
+    key = _key(target, fp)
     if not force:
         hit = cache.lookup(store, key)
         if hit is not None:
@@ -121,6 +123,18 @@ def calibrate(store: BlobStore, target: str = "cpu", force: bool = False) -> tup
     _measured[fp] = p
     cache.record(store, key, {"profile": d})
     return d, p, False
+
+
+def known_profile(store: BlobStore, target: str = "cpu") -> Optional[tuple[Digest, services_pb2.TargetProfile]]:
+    """The target's profile if this store holds one for this machine kind; never measures."""
+    hit = cache.lookup(store, _key(target, fingerprint(target)))
+    if hit is None:
+        return None
+    return hit["profile"], store.get_message(hit["profile"], services_pb2.TargetProfile)
+
+
+def _key(target: str, fp: str) -> str:
+    return cache.action_key("calibrate", CALIBRATE_VERSION, {}, {"target": target, "fingerprint": fp})
 
 
 _measured: dict[str, services_pb2.TargetProfile] = {}

@@ -5,7 +5,7 @@ from kiln.service import rpc
 from kiln.telemetry import span
 from kiln.tensors import array_from_pb, array_to_pb
 from kiln.v1 import services_pb2, services_pb2_grpc
-from executor_svc.calibrate import calibrate
+from executor_svc.calibrate import calibrate, known_profile
 from executor_svc.executor import Executor
 
 
@@ -34,6 +34,11 @@ class ExecutorServicer(services_pb2_grpc.ExecutorServicer):
 
     @rpc
     def Calibrate(self, request, context):
+        if request.lookup_only:
+            known = known_profile(self.store, request.target or "cpu")
+            if known is None:
+                return services_pb2.CalibrateResponse()
+            return services_pb2.CalibrateResponse(profile=known[0].to_pb(), target_profile=known[1], cached=True)
         d, profile, cached = calibrate(self.store, request.target or "cpu", request.force)
         return services_pb2.CalibrateResponse(profile=d.to_pb(), target_profile=profile, cached=cached)
 

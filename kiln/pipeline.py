@@ -169,6 +169,17 @@ class Pipeline:
         d, p, _ = calibrate(self.store, target, force)
         return d, p
 
+    def known_profile(self, target: str = "cpu") -> Optional[Digest]:
+        """The target's calibrated profile if it has been measured already; never measures."""
+        if "executor" in self.addresses:
+            r = _call(self._stub("executor").Calibrate,
+                      services_pb2.CalibrateRequest(target=target, lookup_only=True), self.timeout)
+            return Digest.from_pb(r.profile) if r.HasField("profile") else None
+        from executor_svc.calibrate import known_profile
+
+        known = known_profile(self.store, target)
+        return known[0] if known is not None else None
+
     def profile(self, bundles: Sequence[Digest], manifest: Digest, repeats: int = 20,
                 symbols: Optional[dict] = None) -> list[tuple[Digest, float, float]]:
         """Time candidate bundles on the executor: (bundle, median s, min s) each."""
@@ -186,12 +197,14 @@ class Pipeline:
                         ) -> CompileResult:
         """Import, optimize, emit. With the search on and more than one candidate, the
         optimizer's best predicted schedules (under the target's calibrated profile, measured
-        once per target) are emitted and timed on the executor, and the fastest is kept."""
+        once per target) are emitted and timed on the executor, and the fastest is kept. With
+        one candidate the cost model's pick is kept, under the calibrated profile if the target
+        has one already (a compile never measures the machine just to rank one candidate)."""
         candidates = default_candidates() if candidates is None else candidates
         with span("kiln.compile_program", **{"kiln.program": str(program), "kiln.remote": self.remote}):
             graph, manifest = self.import_program(program)
-            if search and candidates > 1 and target_profile is None:
-                target_profile = self.calibrate(target)[0]
+            if search and target_profile is None:  # the program chosen depends on the profile, not on who asks
+                target_profile = self.calibrate(target)[0] if candidates > 1 else self.known_profile(target)
             kg, report = self.optimize(graph, search=search, target_profile=target_profile,
                                        candidates=candidates if search else 1)
             if len(report.candidates) > 1:

@@ -27,6 +27,18 @@ def test_calibrate_measures_once_per_fingerprint(file_store, tmp_path):
     assert cached3 and d3 == d and p3 == p
 
 
+def test_known_profile_never_measures(tmp_path, monkeypatch):
+    from executor_svc import calibrate as cal
+    from kiln.store import open_store
+
+    monkeypatch.setattr(cal, "measure", lambda target: pytest.fail("a lookup measured the machine"))
+    store = open_store(f"file://{tmp_path / 'fresh'}")
+    assert cal.known_profile(store) is None
+    monkeypatch.undo()
+    d, p, _ = cal.calibrate(store)
+    assert cal.known_profile(store) == (d, p)
+
+
 def test_optimizer_predicts_run_time_per_kernel(local_pipeline):
     model, inputs = mlp_example()
     profile_d, profile = local_pipeline.calibrate()
@@ -65,6 +77,7 @@ def test_profile_times_candidates_over_grpc(remote_pipeline):
     assert all(0 < lo <= med for _, med, lo in timings)
     d, p = remote_pipeline.calibrate()
     assert remote_pipeline.store.get_message(d, services_pb2.TargetProfile) == p
+    assert remote_pipeline.known_profile() == d  # Calibrate(lookup_only) over gRPC
 
 
 def test_profile_rejects_bad_requests(remote_pipeline):
