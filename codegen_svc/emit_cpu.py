@@ -27,11 +27,12 @@ from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import SYMBOL_PREFIX, Dim, contiguous_strides, numel, render_dim
 from kiln.ir.view import ViewSpec
 from kiln.telemetry import span
-from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, compose_chain, gemm_axes, kernel_gemm,
-                             name_kernel, view_root)
+from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, compose_chain, gemm_axes, gemm_dims,
+                             gemm_writes_rows, kernel_gemm, name_kernel, view_root)
 from codegen_svc.memory import MemoryPlan, plan_memory
 
 GEMM_CHUNKS = 16  # row blocks a parallel GEMM is split into (numba's pool takes them in turn)
+ATTENTION_TILE = 64  # query rows an attention kernel works at a time (scores and probabilities stay in cache)
 
 # buffer element types; f16 and bf16 are stored as their 16-bit words (numba has no
 # half-precision arithmetic on CPU) and computed in f32 inside a kernel
@@ -164,7 +165,9 @@ class _KernelWriter:
         # walked level by level; naming each level's flat index keeps the expression linear in
         # the chain's length instead of growing as dims ** levels)
         self.lets: dict[str, str] = {}
-        self.gemm_value = None  # (gemm node, its Mul's shape, batch/M/N axes) while an epilogue is written
+        # while an epilogue is written: (gemm node, its Mul's shape, batch/M/N axes, the element
+        # of the product at {b}, {m}, {n})
+        self.gemm_value = None
         # nodes the kernel reads more than once are named (computed once per statement), except
         # under a padding mask, whose condition must guard the reads inside it
         inside_users: dict[int, int] = {}
@@ -230,9 +233,9 @@ class _KernelWriter:
         if j in self.reads:
             return self.load(n.dtype, f"{self.reads[j]}[{self.flat(n.shape, idx)}]")
         if self.gemm_value is not None and j == self.gemm_value[0]:
-            _, F, b_axes, m_axes, n_axes = self.gemm_value
-            return (f"C[{self._linear(idx, b_axes, F)}, {self._linear(idx, m_axes, F)}, "
-                    f"{self._linear(idx, n_axes, F)}]")
+            _, F, b_axes, m_axes, n_axes, at = self.gemm_value
+            return at.format(b=self._linear(idx, b_axes, F), m=self._linear(idx, m_axes, F),
+                             n=self._linear(idx, n_axes, F))
         op = n.op
         if op is Op.CONSTANT:
             return self.const(n.value, n.dtype)
@@ -347,7 +350,8 @@ class _KernelWriter:
         node = self.g.nodes[self.k.output]
         kind = self.k.kind
         body = {"elementwise": self.emit_elementwise, "reduce": self.emit_reduce, "gemm": self.emit_gemm,
-                "gather": self.emit_gather, "scatter": self.emit_scatter, "row": self.emit_row}[kind]()
+                "gather": self.emit_gather, "scatter": self.emit_scatter, "row": self.emit_row,
+                "attention": self.emit_attention}[kind]()
         par = "True" if self.k.parallel else "False"
         head = f"@njit(cache=True, parallel={par}, error_model='numpy', nogil=True)\n"
         return head + f"def {KERNEL_PLACEHOLDER}({self.signature()}):\n" + "\n".join(body) + "\n"
@@ -380,6 +384,85 @@ class _KernelWriter:
         lines.append(pad + f"for ia in range({_d(n.shape[a])}):")
         lines += self.statement(pad + "    ", lambda: f"out[{self.flat(n.shape, oidx)}] = "
                                 f"{self.store(n.dtype, self.value(self.k.output, tuple(oidx)))}")
+        return lines
+
+    def emit_attention(self):
+        """Q·Kᵀ, a row kernel along the keys (softmax), then P·V, a tile of query rows at a time:
+        per tile, the scores by BLAS into a local [tile, keys] array; per row, the row kernel's
+        reductions and probabilities (reading the scores through the first GEMM's epilogue)
+        into a second local array; then the tile's output rows by BLAS. The partition
+        guarantees row r of a tile is the row kernel's row bi·M + m0 + r, that the scores are
+        read at their own flat positions, and that P is the second GEMM's [batch, M, K] operand."""
+        g, k = self.g, self.k
+        gs, gp = k.scores, k.output
+        sa, pa = gemm_axes(g, gs), gemm_axes(g, gp)
+        Fs, Bt, Mt, Ns, Ks = gemm_dims(g, gs)
+        Fp, _, _, Np, Kp = gemm_dims(g, gp)
+        p = pa.a_root
+        S = g.nodes[p].shape
+        a = k.axis
+        T = ATTENTION_TILE
+        ks, kp = g.nodes[gs].axis, g.nodes[gp].axis
+        q_args = (sa.a_node, sa.a_root, sa.a_spec, list(sa.batch_axes), list(sa.m_axes), ks, Fs, Bt, Mt, Ks,
+                  g.nodes[gs].dtype)
+        lq, q_at, q_rows = self._operand("Q", "A", *q_args)
+        if not q_rows:  # a block of rows of a transposed operand is no matrix BLAS takes: pack it
+            lq, q_at, _ = self._operand("Q", "A", *q_args[:2], None, *q_args[3:])
+        lk, k_at, _ = self._operand("K", "B", sa.b_node, sa.b_root, sa.b_spec, list(sa.batch_axes),
+                                    list(sa.n_axes), ks, Fs, Bt, Ns, Ks, g.nodes[gs].dtype)
+        lv, v_at, _ = self._operand("V", "B", pa.b_node, pa.b_root, pa.b_spec, list(pa.batch_axes),
+                                    list(pa.n_axes), kp, Fp, Bt, Np, Kp, g.nodes[gp].dtype)
+        out_dtype = g.nodes[gp].dtype
+        lines = lq + lk + lv
+        if not out_dtype.is_half:
+            lines.append(f"    O = out[0:{_d(numel(g.nodes[gp].shape))}].reshape(({_d(Bt)}, {_d(Mt)}, {_d(Np)}))")
+        rng = "prange" if k.parallel else "range"
+        lines += [f"    nt = ({_d(Mt)} + {T - 1}) // {T}",
+                  f"    for t in {rng}({_d(Bt)} * nt):",
+                  "        bi = t // nt",
+                  f"        m0 = (t % nt) * {T}",
+                  f"        m1 = min(m0 + {T}, {_d(Mt)})",
+                  f"        st = np.empty(({T}, {_d(Ns)}), dtype=np.float32)",
+                  f"        pt = np.empty(({T}, {_d(Ns)}), dtype=np.float32)",
+                  f"        np.dot({q_at.format(bi='bi')}[m0:m1], {k_at.format(bi='bi')}, st[0:m1 - m0])",
+                  "        for r in range(m1 - m0):",
+                  f"            rho = bi * {_d(Mt)} + m0 + r"]
+        pad = " " * 12
+        # the row kernel's index from its row number (its axis is the innermost one that is not 1)
+        row_shape = tuple(1 if j == a else d for j, d in enumerate(S))
+        idx = []
+        for j, e in enumerate(self.unravel("rho", row_shape)):
+            if j == a or e == "0":
+                idx.append(None if j == a else "0")
+                continue
+            lines.append(pad + f"i{j} = {e}")
+            idx.append(f"i{j}")
+        # the scores' value at an index of the first GEMM is the tile's element there (kept in
+        # f32, as a GEMM epilogue keeps it)
+        self.gemm_value = (gs, Fs, list(sa.batch_axes), list(sa.m_axes), list(sa.n_axes), "st[{m} - m0, {n}]")
+        for q in k.nodes:
+            if q in (gs, gp) or g.nodes[q].op not in GroupOp.Reduce:
+                continue
+            acc = f"acc{q}"
+            lines += self.reduction(pad, q, tuple(idx), acc)
+            r = g.nodes[q]
+            self.row_values[q] = f"{_ROUND[r.dtype]}({acc})" if r.dtype.is_half else acc
+        oidx = list(idx)
+        oidx[a] = "ia"
+        lines.append(pad + f"for ia in range({_d(S[a])}):")
+        # P is rounded as the second GEMM would have read it from its buffer
+        rnd = (lambda v: f"{_ROUND[g.nodes[p].dtype]}({v})") if g.nodes[p].dtype.is_half else (lambda v: v)
+        lines += self.statement(pad + "    ", lambda: f"pt[r, ia] = {rnd(self.value(p, tuple(oidx)))}")
+        self.gemm_value = None
+        if not out_dtype.is_half:
+            lines.append(f"        np.dot(pt[0:m1 - m0], {v_at.format(bi='bi')}, O[bi, m0:m1])")
+            return lines
+        lines += [f"        ot = np.empty(({T}, {_d(Np)}), dtype=np.float32)",
+                  f"        np.dot(pt[0:m1 - m0], {v_at.format(bi='bi')}, ot[0:m1 - m0])",
+                  "        for r in range(m1 - m0):",
+                  f"            base = (bi * {_d(Mt)} + m0 + r) * {_d(Np)}",
+                  f"            for c in range({_d(Np)}):",
+                  f"                out[base + c] = {self.store(out_dtype, 'ot[r, c]')}"]
         return lines
 
     def reduction(self, pad: str, q: int, idx, acc: str) -> list[str]:
@@ -422,15 +505,12 @@ class _KernelWriter:
         prod = lambda axes: numel(tuple(F[j] for j in axes))
         Bt, Mt, Nt, K = prod(b_axes), prod(m_axes), prod(n_axes), F[k]
         lines = []
-        la, a_at, a_rows = self._operand("A", gm.a_node, gm.a_root, gm.a_spec, b_axes, m_axes, k, F, Bt, Mt, K,
-                                         r.dtype)
-        lb, b_at, _ = self._operand("B", gm.b_node, gm.b_root, gm.b_spec, b_axes, n_axes, k, F, Bt, Nt, K,
+        la, a_at, a_rows = self._operand("A", "A", gm.a_node, gm.a_root, gm.a_spec, b_axes, m_axes, k, F, Bt, Mt,
+                                         K, r.dtype)
+        lb, b_at, _ = self._operand("B", "B", gm.b_node, gm.b_root, gm.b_spec, b_axes, n_axes, k, F, Bt, Nt, K,
                                     r.dtype)
         lines += la + lb
-        out_strides = contiguous_strides(r.shape)
-        want = contiguous_strides(tuple(F[j] for j in b_axes + m_axes + n_axes))
-        have = tuple(out_strides[j] for j in b_axes + m_axes + n_axes)
-        direct = have == want and not r.dtype.is_half and gi == self.k.output
+        direct = gemm_writes_rows(self.g, gi) and not r.dtype.is_half and gi == self.k.output
         if direct:
             lines.append(f"    C = out[0:{_d(numel(r.shape))}].reshape(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}))")
         else:
@@ -451,7 +531,7 @@ class _KernelWriter:
             return lines
         # store each element, through the epilogue when the kernel has one: the GEMM's value at
         # an index is C's element there (value() asks self.gemm_value)
-        self.gemm_value = (gi, F, b_axes, m_axes, n_axes)
+        self.gemm_value = (gi, F, b_axes, m_axes, n_axes, "C[{b}, {m}, {n}]")
         out = self.g.nodes[self.k.output]
         loops, idx, depth = self.loops(out.shape, parallel=self.k.parallel and gi != self.k.output)
         lines += loops
@@ -466,12 +546,13 @@ class _KernelWriter:
         st = contiguous_strides(tuple(F[j] for j in axes))
         return _sum([_scaled(idx[j], s) for j, s in zip(axes, st)])
 
-    def _operand(self, name, node, root, spec: Optional[ViewSpec], b_axes, x_axes, k, F, Bt, Xt, K, dtype):
-        """Lines binding the operand as a 3-d array; the 2-d matrix expression for batch `{bi}`
-        (A: [X, K], B: [K, X]); and whether its rows are C-contiguous (so a block of rows is a
-        matrix BLAS takes). A transposed operand is a C array's `.T` (F-contiguous, which BLAS
-        takes directly). Packs a copy only when the strides allow no view, or the views do not
-        compose or pad: the copy then reads each element through the views."""
+    def _operand(self, name, role, node, root, spec: Optional[ViewSpec], b_axes, x_axes, k, F, Bt, Xt, K, dtype):
+        """Lines binding the operand (role A or B) to the 3-d array `name`; the 2-d matrix
+        expression for batch `{bi}` (A: [X, K], B: [K, X]); and whether its rows are
+        C-contiguous (so a block of rows is a matrix BLAS takes). A transposed operand is a C
+        array's `.T` (F-contiguous, which BLAS takes directly). Packs a copy only when the
+        strides allow no view, or the views do not compose or pad (or spec is None): the copy
+        then reads each element through the views."""
         if spec is not None and not dtype.is_half:  # BLAS takes f32; 16-bit floats widen into a copy
             buf = self.reads[root]
             st = spec.strides
@@ -483,17 +564,17 @@ class _KernelWriter:
             span_ = f"{buf}[{off}:{off} + {_d(numel(sizes_bxk))}]"
             bxk = strides_bxk == contiguous_strides(sizes_bxk)
             bkx = strides_bkx == contiguous_strides(sizes_bkx)
-            native, transposed = (bxk, bkx) if name == "A" else (bkx, bxk)
+            native, transposed = (bxk, bkx) if role == "A" else (bkx, bxk)
             if native:
-                dims = (Xt, K) if name == "A" else (K, Xt)
+                dims = (Xt, K) if role == "A" else (K, Xt)
                 return ([f"    {name} = {span_}.reshape(({_d(Bt)}, {_d(dims[0])}, {_d(dims[1])}))"],
                         f"{name}[{{bi}}]", True)
             if transposed:
-                dims = (K, Xt) if name == "A" else (Xt, K)
+                dims = (K, Xt) if role == "A" else (Xt, K)
                 return ([f"    {name} = {span_}.reshape(({_d(Bt)}, {_d(dims[0])}, {_d(dims[1])}))"],
                         f"{name}[{{bi}}].T", False)
         # pack: loop over the operand's own axes (the other operand's are 0) and copy
-        shape3 = (Bt, Xt, K) if name == "A" else (Bt, K, Xt)
+        shape3 = (Bt, Xt, K) if role == "A" else (Bt, K, Xt)
         lines = [f"    {name} = np.empty(({', '.join(_d(x) for x in shape3)}), dtype={_COMPUTE[dtype]})"]
         axes = b_axes + x_axes + [k]
         depth = 1
@@ -503,7 +584,7 @@ class _KernelWriter:
         pidx = tuple(f"p{j}" if j in axes else "0" for j in range(len(F)))
         bi = self._linear(pidx, b_axes, F)
         xi = self._linear(pidx, x_axes, F)
-        dst = f"{bi}, {xi}, p{k}" if name == "A" else f"{bi}, p{k}, {xi}"
+        dst = f"{bi}, {xi}, p{k}" if role == "A" else f"{bi}, p{k}, {xi}"
         lines += self.statement("    " * depth, lambda: f"{name}[{dst}] = {self.value(node, pidx)}")
         return lines, f"{name}[{{bi}}]", True
 

@@ -2,8 +2,8 @@
 
 Each kernel costs the larger of its compute time and its memory time, plus the target's fixed
 cost per kernel (a parallel kernel's, measured on a prange loop, or a serial one's). A GEMM
-computes 2·B·M·N·K flops at the GFLOP/s that Calibrate measured for the nearest shape class
-(by log of M·N·K; a single-row GEMM uses the GEMV class), one thread's rate, times the pool's
+computes 2·B·M·N·K flops (an attention kernel: its two GEMMs', plus its softmax's elementwise
+work) at the GFLOP/s that Calibrate measured for the nearest shape class (by log of M·N·K; a single-row GEMM uses the GEMV class), one thread's rate, times the pool's
 threads when the GEMM is parallel; every kernel moves its output and the buffers it reads once
 at the measured bandwidth, and elementwise work runs at the measured elementwise rate (both
 measured with the whole pool: a serial kernel gets one thread's share). Symbolic dims take
@@ -40,6 +40,14 @@ def gemm_rate(profile: services_pb2.TargetProfile, m: int, n: int, k: int) -> fl
     return min(profile.gemm, key=lambda g: abs(math.log(g.m * g.n * g.k) - size)).gflops
 
 
+def _gemm_seconds(g, gi: int, env, profile: services_pb2.TargetProfile, pool: int) -> float:
+    ga = gemm_axes(g, gi)
+    shape = [evaluate_dim(d, env) for d in g.nodes[g.nodes[gi].inputs[0]].shape]
+    prod = lambda axes: math.prod(shape[a] for a in axes)  # noqa: E731
+    m, n, kk, batch = prod(ga.m_axes), prod(ga.n_axes), shape[g.nodes[gi].axis], prod(ga.batch_axes)
+    return 2.0 * batch * m * n * kk / (gemm_rate(profile, m, n, kk) * 1e9 * pool)
+
+
 def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[KernelCost]:
     g = kg.graph
     env = {name: hi for name, _, hi in g.symbols}
@@ -54,18 +62,17 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
                     else profile.serial_overhead_us) * 1e-6
         moved = (elems(k.output) * g.nodes[k.output].dtype.itemsize
                  + sum(elems(j) * g.nodes[j].dtype.itemsize for j in k.reads))
-        memory = moved / (bw * share)
+        pool = threads if k.parallel else 1
         if k.kind == "gemm":
-            gi = kernel_gemm(g, k)
-            ga = gemm_axes(g, gi)
-            shape = [evaluate_dim(d, env) for d in g.nodes[g.nodes[gi].inputs[0]].shape]
-            prod = lambda axes: math.prod(shape[a] for a in axes)  # noqa: E731
-            m, n, kk, batch = prod(ga.m_axes), prod(ga.n_axes), shape[g.nodes[gi].axis], prod(ga.batch_axes)
-            pool = threads if k.parallel else 1
-            compute = 2.0 * batch * m * n * kk / (gemm_rate(profile, m, n, kk) * 1e9 * pool)
+            compute = _gemm_seconds(g, kernel_gemm(g, k), env, profile, pool)
+        elif k.kind == "attention":  # two GEMMs and, per score, the softmax's elementwise work
+            p = gemm_axes(g, k.output).a_root
+            compute = (_gemm_seconds(g, k.scores, env, profile, pool) + _gemm_seconds(g, k.output, env, profile, pool)
+                       + elems(p) * max(1, len(k.nodes)) / (rate * share))
         else:
             work = elems(g.nodes[k.output].inputs[0]) if k.kind == "reduce" else elems(k.output)
             compute = work * max(1, len(k.nodes)) / (rate * share)
+        memory = moved / (bw * share)
         body = max(compute, memory)
         bound = "overhead" if overhead > body else ("compute" if compute >= memory else "memory")
         out.append(KernelCost(k.name, k.kind, body + overhead, bound))

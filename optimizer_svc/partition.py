@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kiln.ir.graph import Graph
-from kiln.ir.kernel import Kernel, KernelGraph, broadcasts, gemm_axes, view_root
+from kiln.ir.kernel import (Kernel, KernelGraph, broadcasts, compose_chain, gemm_axes, gemm_dims, gemm_writes_rows,
+                             kernel_gemm, view_root)
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import contiguous_strides, evaluate_dim, numel
 from kiln.ir.view import ViewSpec
@@ -32,18 +33,21 @@ class Schedule:
     blas_min_macs: int = 0                # smaller GEMMs are generated loops (a fused reduction), not BLAS
     epilogues: bool = True                # elementwise work on a GEMM's result runs in the GEMM's kernel
     rows: bool = True                     # reductions read back along their row (softmax, norms) fuse into one kernel
+    attention: bool = True                # GEMM, row kernel, GEMM (Q·Kᵀ, softmax, ·V) fuse into one tiled kernel
 
     def describe(self) -> str:
         show = lambda v: "never" if v >= NEVER else str(v)  # noqa: E731
         return (f"blas>={self.blas_min_macs} par>={show(self.parallel_min_elements)} "
                 f"gemm-par>={show(self.parallel_min_macs)}{'' if self.epilogues else ' no-epilogue'}"
-                f"{'' if self.rows else ' no-rows'}")
+                f"{'' if self.rows else ' no-rows'}{'' if self.attention or not self.rows else ' no-attention'}")
 
 
 DEFAULT_SCHEDULE = Schedule()
 # the grid candidate schedules are drawn from (optimizer.candidates ranks them by the cost model)
-SCHEDULE_GRID = tuple(Schedule(pe, pm, bm, ep, rows) for rows in (True, False) for ep in (True, False)
-                      for bm in (0, 1 << 16) for pe in (1 << 15, 1 << 13, NEVER) for pm in (1 << 18, 1 << 16, NEVER))
+# (attention fusion needs row kernels: without them there is no softmax kernel to fuse)
+SCHEDULE_GRID = tuple(Schedule(pe, pm, bm, ep, rows, attn) for rows, attn in ((True, True), (True, False), (False, False))
+                      for ep in (True, False) for bm in (0, 1 << 16) for pe in (1 << 15, 1 << 13, NEVER)
+                      for pm in (1 << 18, 1 << 16, NEVER))
 
 
 def partition(g: Graph, fuse: bool = True, schedule: Schedule = DEFAULT_SCHEDULE) -> KernelGraph:
@@ -109,7 +113,97 @@ def partition(g: Graph, fuse: bool = True, schedule: Schedule = DEFAULT_SCHEDULE
                     or kind == "gemm" and total >= schedule.parallel_min_macs)
         kernels.append(Kernel(f"k{len(kernels)}_{kind}", kind, tuple(inside), i, tuple(reads), parallel,
                               row_axis.get(i, -1)))
+    if fuse and schedule.rows and schedule.attention:
+        kernels = _fuse_attention(g, users, outputs, kernels)
     return KernelGraph(g, tuple(kernels))
+
+
+def _flat_preserving(spec: Optional[ViewSpec], src_shape) -> bool:
+    """A view that reads its source's elements in their own order: a reshape (size-1 dims aside)."""
+    if spec is None or spec.mask is not None or spec.offset != 0 or numel(spec.shape) != numel(src_shape):
+        return False
+    want = contiguous_strides(spec.shape)
+    return all(d == 1 or st == w for d, st, w in zip(spec.shape, spec.strides, want))
+
+
+def _flat_reads(g: Graph, nodes: set[int], members: set[int]) -> bool:
+    """Every read of one of `nodes` from `members` sees its elements at their own flat positions
+    (a broadcast constant is the same everywhere)."""
+    for m in members:
+        if g.nodes[m].op is Op.VIEW:
+            continue
+        for x in g.nodes[m].inputs:
+            root, chain = view_root(g, x)
+            if root in nodes and chain and g.nodes[root].op is not Op.CONSTANT and \
+                    not _flat_preserving(compose_chain(chain), g.nodes[root].shape):
+                return False
+    return True
+
+
+def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Kernel]:
+    """Attention as one kernel: a GEMM whose result only a row kernel reads (scores = Q·Kᵀ,
+    with its epilogue: scale, mask), the row kernel (softmax along the keys) whose result only
+    a second GEMM reads as its left operand, contracting the row axis (P·V). The fused kernel
+    works a tile of query rows at a time: scores for the tile, each row's softmax, then the
+    tile of P times V, so neither scores nor probabilities are ever written to memory. Rows
+    must line up: the row axis is the innermost, the scores are read at their own flat
+    positions and are C[batch, M, N] of the first GEMM, and P is the second GEMM's [batch, M, K]
+    operand with the same batch and M."""
+    by_output = {k.output: k for k in kernels}
+    fused: dict[int, Kernel] = {}
+    gone: set[int] = set()
+    for r in kernels:
+        if r.kind != "row" or r.output in outputs:
+            continue
+        p, a = r.output, r.axis
+        S = tuple(g.nodes[p].shape)
+        if any(d != 1 for d in S[a + 1:]) or not g.nodes[p].dtype.is_float:
+            continue
+        readers = _readers(g, users, p)
+        if len(readers) != 1:  # the GEMM's Mul, through the view that broadcasts P along N
+            continue
+        mul = readers[0][0]
+        pv = next((k for k in kernels if k.kind == "gemm" and g.nodes[k.output].op is Op.SUM_REDUCE
+                   and g.nodes[k.output].inputs[0] == mul and k.output not in gone), None)
+        if pv is None or not gemm_writes_rows(g, pv.output):
+            continue
+        pa = gemm_axes(g, pv.output)
+        F2, B2, M2, N2, K2 = gemm_dims(g, pv.output)
+        if pa.a_root != p or pa.a_spec is None or pa.a_spec.offset != 0 or numel(S) != numel((B2, M2, K2)) or \
+                tuple(pa.a_spec.strides[j] for j in pa.batch_axes + pa.m_axes + (g.nodes[pv.output].axis,)) != \
+                contiguous_strides(tuple(F2[j] for j in pa.batch_axes + pa.m_axes) + (K2,)):
+            continue
+        members = set(r.nodes)
+        for e in r.reads:
+            qk = by_output.get(e)
+            if qk is None or qk.kind != "gemm" or e in outputs or e in gone:
+                continue
+            gi = kernel_gemm(g, qk)
+            F1, B1, M1, N1, _ = gemm_dims(g, gi)
+            if (B1, M1, N1) != (B2, M2, S[a]) or K2 != S[a] or numel(S) != numel(g.nodes[e].shape):
+                continue
+            if not gemm_writes_rows(g, gi) or any(u not in members for u, _ in _readers(g, users, e)):
+                continue
+            if not _flat_reads(g, {e}, members) or not _flat_reads(g, set(qk.nodes), set(qk.nodes)):
+                continue
+            aligned = _aligned(g, p, members)
+            if any(view_root(g, x)[0] == e and m not in aligned for m in members
+                   if g.nodes[m].op is not Op.VIEW for x in g.nodes[m].inputs):
+                continue
+            nodes = tuple(sorted(set(qk.nodes) | members | set(pv.nodes)))
+            reads = tuple(sorted((set(qk.reads) | set(r.reads) | set(pv.reads)) - {e, p}))
+            fused[pv.output] = Kernel("", "attention", nodes, pv.output, reads,
+                                      qk.parallel or r.parallel or pv.parallel, a, gi)
+            gone |= {qk.output, r.output}
+            break
+    out = []
+    for k in kernels:
+        if k.output in gone:
+            continue
+        k = fused.get(k.output, k)
+        out.append(Kernel(f"k{len(out)}_{k.kind}", k.kind, k.nodes, k.output, k.reads, k.parallel, k.axis,
+                          k.scores))
+    return out
 
 
 def _fuse_epilogues(g: Graph, users, outputs, gemms, materialize, root_of) -> None:
@@ -135,7 +229,7 @@ def _fuse_epilogues(g: Graph, users, outputs, gemms, materialize, root_of) -> No
 
 def row_broadcast_axis(v: ViewSpec, src_shape) -> Optional[int]:
     """The axis a when view v reads a [.., 1, ..] tensor back along a (stride 0 there, its own
-    contiguous strides elsewhere, no offset or mask), else None."""
+    contiguous strides elsewhere but on dims of size 1, no offset or mask), else None."""
     if v.mask is not None or v.offset != 0 or len(v.shape) != len(src_shape):
         return None
     axes = [k for k, (d, sd) in enumerate(zip(v.shape, src_shape)) if d != sd]
@@ -143,7 +237,9 @@ def row_broadcast_axis(v: ViewSpec, src_shape) -> Optional[int]:
         return None
     want = list(contiguous_strides(src_shape))
     want[axes[0]] = 0
-    return axes[0] if tuple(v.strides) == tuple(want) else None
+    # a dim of size 1 is never stepped along, whatever its stride
+    same = all(d == 1 or st == w for d, st, w in zip(v.shape, v.strides, want))
+    return axes[0] if same else None
 
 
 def _fuse_rows(g: Graph, users, outputs, gemms, materialize) -> dict[int, int]:

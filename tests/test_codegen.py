@@ -216,3 +216,53 @@ def test_row_value_read_through_a_transpose_is_not_fused_with_the_wrong_row(loca
     sid = local_pipeline.load(bundle, store.put_message(ir_pb2.WeightManifest()))
     (_, out), = local_pipeline.run(sid, [("x", x.numpy()), ("y", y.numpy())])
     np.testing.assert_allclose(out, M()(x, y).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def _attention(q, k, v, mask, causal, gqa):
+    if gqa:  # grouped-query attention: K and V shared by pairs of heads
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["plain", "bool mask", "additive mask", "causal", "gqa causal"])
+def test_attention_is_one_kernel(local_pipeline, dtype, case):
+    """softmax(Q·Kᵀ·s + mask)·V in primitive form (scaled_dot_product_attention decomposed by
+    the importer) becomes one attention kernel: scores, softmax and P·V a tile of query rows
+    at a time. 70 query rows span two tiles; a fully masked row comes out as torch's."""
+    torch.manual_seed(1)
+    gqa = case.startswith("gqa")
+    hk = 2 if gqa else 4
+    sq, sk = (70, 70) if "causal" in case else (70, 50)
+    q, k, v = torch.randn(2, 4, sq, 16), torch.randn(2, hk, sk, 16), torch.randn(2, hk, sk, 8)
+    mask = None
+    if case == "bool mask":
+        mask = torch.rand(sq, sk) > 0.3
+        mask[5] = False  # a fully masked row
+    elif case == "additive mask":
+        mask = torch.randn(2, 1, sq, sk)
+    args = [t.to(dtype) for t in (q, k, v)] + ([mask if mask.dtype is torch.bool else mask.to(dtype)]
+                                              if mask is not None else [])
+    fn = lambda q, k, v, *m: _attention(q, k, v, m[0] if m else None, "causal" in case, gqa)  # noqa: E731
+    compiled = kiln.compile(Fn(fn), tuple(args), pipeline=local_pipeline, candidates=1)
+    assert _kinds(local_pipeline, compiled).count("attention") == 1
+    assert "row" not in _kinds(local_pipeline, compiled)
+    got, ref = compiled(*args).float(), fn(*args).float()
+    tol = 1e-5 if dtype is torch.float32 else 3e-2  # bf16: P and the output rounded to 8 bits
+    assert torch.allclose(got, ref, rtol=tol, atol=tol, equal_nan=True), (got - ref).abs().max()
+    if case == "bool mask":  # torch's attention gives a fully masked row zeros, and so does kiln
+        assert (ref[:, :, 5] == 0).all() and (got[:, :, 5] == 0).all()
+
+
+def test_attention_fusion_is_a_schedule_choice(local_pipeline):
+    from kiln.ir.kernel import kernel_graph_from_pb
+    from optimizer_svc.partition import Schedule, partition
+
+    q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+    compiled = kiln.compile(Fn(F.scaled_dot_product_attention), (q, k, v), pipeline=local_pipeline, candidates=1)
+    kg = kernel_graph_from_pb(local_pipeline.store.get_message(compiled.result.kernel_graph, ir_pb2.KernelGraph))
+    on, off = partition(kg.graph), partition(kg.graph, schedule=Schedule(attention=False))
+    assert "attention" in [k.kind for k in on.kernels]
+    assert [k.kind for k in off.kernels].count("gemm") == 2 and "row" in [k.kind for k in off.kernels]

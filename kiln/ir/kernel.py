@@ -8,18 +8,20 @@ from typing import Optional
 
 from kiln.ir.graph import Graph
 from kiln.ir.ops import Op
+from kiln.ir.shape import contiguous_strides, numel
 from kiln.ir.view import ViewSpec, compose
 
 
 @dataclass(frozen=True)
 class Kernel:
     name: str
-    kind: str                 # elementwise | reduce | gemm | gather | scatter
+    kind: str                 # elementwise | reduce | gemm | gather | scatter | row | attention
     nodes: tuple[int, ...]    # nodes computed inside, in topological order (the last is `output`)
     output: int
     reads: tuple[int, ...]    # materialized nodes read
     parallel: bool
-    axis: int = -1            # row kernels: the axis their reductions run along
+    axis: int = -1            # row and attention kernels: the axis their reductions run along
+    scores: int = -1          # attention kernels: the first GEMM (Q·Kᵀ); `output` is the second (P·V)
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class KernelGraph:
     kernels: tuple[Kernel, ...]
 
 
-KERNEL_KINDS = ("elementwise", "reduce", "gemm", "gather", "scatter", "row")
+KERNEL_KINDS = ("elementwise", "reduce", "gemm", "gather", "scatter", "row", "attention")
 
 # generated kernels are content-addressed: the function is written as KERNEL_PLACEHOLDER, the
 # module text hashed, and the placeholder replaced by the symbol the hash gives
@@ -131,6 +133,23 @@ def gemm_axes(g: Graph, reduce_id: int) -> Optional[Gemm]:
     return Gemm(xa, ra, sa, xb, rb, sb, tuple(m_axes), tuple(n_axes), tuple(axes[(True, True)]))
 
 
+def gemm_dims(g: Graph, gi: int):
+    """(Mul shape, batch, M, N, K sizes) of the GEMM that SumReduce gi computes."""
+    ga = gemm_axes(g, gi)
+    F = g.nodes[g.nodes[gi].inputs[0]].shape
+    prod = lambda axes: numel(tuple(F[j] for j in axes))  # noqa: E731
+    return F, prod(ga.batch_axes), prod(ga.m_axes), prod(ga.n_axes), F[g.nodes[gi].axis]
+
+
+def gemm_writes_rows(g: Graph, gi: int) -> bool:
+    """Whether the GEMM's result is laid out as C[batch, M, N] (its buffer is the GEMM's C)."""
+    ga = gemm_axes(g, gi)
+    F = g.nodes[g.nodes[gi].inputs[0]].shape
+    order = ga.batch_axes + ga.m_axes + ga.n_axes
+    strides = contiguous_strides(g.nodes[gi].shape)
+    return tuple(strides[j] for j in order) == contiguous_strides(tuple(F[j] for j in order))
+
+
 def kernel_graph_to_pb(kg: KernelGraph, source_graph=None):
     from kiln.ir.serialize import graph_to_pb
     from kiln.v1 import ir_pb2
@@ -138,7 +157,7 @@ def kernel_graph_to_pb(kg: KernelGraph, source_graph=None):
     p = ir_pb2.KernelGraph(graph=graph_to_pb(kg.graph))
     for k in kg.kernels:
         p.kernels.add(name=k.name, kind=k.kind, nodes=list(k.nodes), output=k.output, reads=list(k.reads),
-                      parallel=k.parallel, axis=k.axis)
+                      parallel=k.parallel, axis=k.axis, scores=max(k.scores, 0))
     if source_graph is not None:
         p.source_graph.CopyFrom(source_graph.to_pb())
     return p
@@ -155,5 +174,11 @@ def kernel_graph_from_pb(p) -> KernelGraph:
             raise ValueError(f"kernel {k.name!r} is malformed (unknown kind or node out of range)")
         if k.kind == "row" and not 0 <= k.axis < len(g.nodes[k.output].shape):
             raise ValueError(f"row kernel {k.name!r} has no valid axis")
-        kernels.append(Kernel(k.name, k.kind, tuple(k.nodes), k.output, tuple(k.reads), k.parallel, k.axis))
+        if k.kind == "attention":
+            pv = gemm_axes(g, k.output)
+            if k.scores not in k.nodes or gemm_axes(g, k.scores) is None or pv is None or \
+                    pv.a_root not in k.nodes or not 0 <= k.axis < len(g.nodes[pv.a_root].shape):
+                raise ValueError(f"attention kernel {k.name!r} does not name its two GEMMs and its row axis")
+        kernels.append(Kernel(k.name, k.kind, tuple(k.nodes), k.output, tuple(k.reads), k.parallel, k.axis,
+                              k.scores if k.kind == "attention" else -1))
     return KernelGraph(g, tuple(kernels))
