@@ -179,6 +179,7 @@ class _KernelWriter:
                        and kg.graph.nodes[j].op not in (Op.CONSTANT, Op.VIEW)}
         self.guarded = 0
         self.row_values: dict[int, str] = {}  # row kernels: reductions already computed for the row
+        self.row_col: Optional[str] = None  # attention kernels: the loop variable along the row
 
     def let(self, expr: str) -> str:
         if expr.isidentifier() or expr.isdigit():
@@ -234,6 +235,8 @@ class _KernelWriter:
             return self.load(n.dtype, f"{self.reads[j]}[{self.flat(n.shape, idx)}]")
         if self.gemm_value is not None and j == self.gemm_value[0]:
             _, F, b_axes, m_axes, n_axes, at = self.gemm_value
+            if self.row_col is not None:  # an attention kernel's scores: this row's element at the loop's column
+                return at.format(col=self.row_col)
             return at.format(b=self._linear(idx, b_axes, F), m=self._linear(idx, m_axes, F),
                              n=self._linear(idx, n_axes, F))
         op = n.op
@@ -437,13 +440,14 @@ class _KernelWriter:
                 continue
             lines.append(pad + f"i{j} = {e}")
             idx.append(f"i{j}")
-        # the scores' value at an index of the first GEMM is the tile's element there (kept in
-        # f32, as a GEMM epilogue keeps it)
-        self.gemm_value = (gs, Fs, list(sa.batch_axes), list(sa.m_axes), list(sa.n_axes), "st[{m} - m0, {n}]")
+        # the scores are read only at the row's own elements (the partition checks it): the first
+        # GEMM's value is the tile's row r at the loop's column (kept in f32, as in an epilogue)
+        self.gemm_value = (gs, Fs, list(sa.batch_axes), list(sa.m_axes), list(sa.n_axes), "st[r, {col}]")
         for q in k.nodes:
             if q in (gs, gp) or g.nodes[q].op not in GroupOp.Reduce:
                 continue
             acc = f"acc{q}"
+            self.row_col = "ra"
             lines += self.reduction(pad, q, tuple(idx), acc)
             r = g.nodes[q]
             self.row_values[q] = f"{_ROUND[r.dtype]}({acc})" if r.dtype.is_half else acc
@@ -452,8 +456,9 @@ class _KernelWriter:
         lines.append(pad + f"for ia in range({_d(S[a])}):")
         # P is rounded as the second GEMM would have read it from its buffer
         rnd = (lambda v: f"{_ROUND[g.nodes[p].dtype]}({v})") if g.nodes[p].dtype.is_half else (lambda v: v)
+        self.row_col = "ia"
         lines += self.statement(pad + "    ", lambda: f"pt[r, ia] = {rnd(self.value(p, tuple(oidx)))}")
-        self.gemm_value = None
+        self.gemm_value = self.row_col = None
         if not out_dtype.is_half:
             lines.append(f"        np.dot(pt[0:m1 - m0], {v_at.format(bi='bi')}, O[bi, m0:m1])")
             return lines
