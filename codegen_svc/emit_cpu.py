@@ -374,14 +374,7 @@ class _KernelWriter:
         a = self.k.axis
         lines, idx, depth = self.loops(n.shape, skip_axis=a, parallel=self.k.parallel)
         pad = "    " * depth
-        for q in self.k.nodes:
-            r = self.g.nodes[q]
-            if r.op not in GroupOp.Reduce:
-                continue
-            acc = f"acc{q}"
-            lines += self.reduction(pad, q, idx, acc)
-            # the value a buffer would have held: 16-bit floats round as they would be stored
-            self.row_values[q] = f"{_ROUND[r.dtype]}({acc})" if r.dtype.is_half else acc
+        lines += self.row_reductions(pad, idx, [q for q in self.k.nodes if self.g.nodes[q].op in GroupOp.Reduce])
         oidx = list(idx)
         oidx[a] = "ia"
         lines.append(pad + f"for ia in range({_d(n.shape[a])}):")
@@ -443,14 +436,9 @@ class _KernelWriter:
         # the scores are read only at the row's own elements (the partition checks it): the first
         # GEMM's value is the tile's row r at the loop's column (kept in f32, as in an epilogue)
         self.gemm_value = (gs, Fs, list(sa.batch_axes), list(sa.m_axes), list(sa.n_axes), "st[r, {col}]")
-        for q in k.nodes:
-            if q in (gs, gp) or g.nodes[q].op not in GroupOp.Reduce:
-                continue
-            acc = f"acc{q}"
-            self.row_col = "ra"
-            lines += self.reduction(pad, q, tuple(idx), acc)
-            r = g.nodes[q]
-            self.row_values[q] = f"{_ROUND[r.dtype]}({acc})" if r.dtype.is_half else acc
+        self.row_col = "ra"
+        lines += self.row_reductions(pad, tuple(idx), [q for q in k.nodes if q not in (gs, gp)
+                                                       and g.nodes[q].op in GroupOp.Reduce])
         oidx = list(idx)
         oidx[a] = "ia"
         lines.append(pad + f"for ia in range({_d(S[a])}):")
@@ -469,6 +457,51 @@ class _KernelWriter:
                   f"            for c in range({_d(Np)}):",
                   f"                out[base + c] = {self.store(out_dtype, 'ot[r, c]')}"]
         return lines
+
+    def row_reductions(self, pad: str, idx, reductions: list[int]) -> list[str]:
+        """A row kernel's reductions in order, each result a local (`acc<node>`) that later
+        loops and the row's elements read; a softmax's max and sum of exponentials share one
+        loop (online softmax)."""
+        lines = []
+        pairs = {q1: (q2, c) for q2 in reductions for q1, c in [_softmax_pair(self.g, q2)] if q1 in reductions}
+        done = set()
+        for q in reductions:
+            if q in done:
+                continue
+            r = self.g.nodes[q]
+            if q in pairs:
+                q2, c = pairs[q]
+                lines += self.online_softmax(pad, q, q2, c, idx)
+                done.add(q2)
+            else:
+                lines += self.reduction(pad, q, idx, f"acc{q}")
+            # the value a buffer would have held: 16-bit floats round as they would be stored
+            self.row_values[q] = f"{_ROUND[r.dtype]}(acc{q})" if r.dtype.is_half else f"acc{q}"
+        for q in done:
+            self.row_values[q] = f"acc{q}"
+        return lines
+
+    def online_softmax(self, pad: str, q1: int, q2: int, c: float, idx) -> list[str]:
+        """m = max(y) and l = sum(exp2((y - m)·c)) in one pass: when y raises the running max, l
+        is rescaled by exp2((m_old - m_new)·c). It gives what the two loops give: NaN is sticky,
+        a -inf element adds nothing, a row of -inf only has l NaN, +inf makes l NaN."""
+        r = self.g.nodes[q1]
+        y = r.inputs[0]
+        ridx = list(idx)
+        ridx[r.axis] = "ra"
+        m, l, n = f"acc{q1}", f"acc{q2}", _d(self.g.nodes[y].shape[r.axis])
+        ninf, scale = self.const(-math.inf, r.dtype), self.const(c, r.dtype)
+        lines = [pad + f"{m} = {ninf}", pad + f"{l} = {self.const(0.0, r.dtype)}", pad + f"for ra in range({n}):"]
+        lines += self.statement(pad + "    ", lambda: f"v = {self.value(y, tuple(ridx))}")
+        return lines + [pad + f"    if v > {m}:",
+                        pad + f"        {l} = {l} * np.exp2(({m} - v) * {scale})",
+                        pad + f"        {m} = v",
+                        pad + f"    elif v != v and {m} == {m}:",
+                        pad + f"        {m} = v",
+                        pad + f"    if v != {ninf}:",
+                        pad + f"        {l} += np.exp2((v - {m}) * {scale})",
+                        pad + f"if {m} == {ninf} and {n} > 0:",
+                        pad + f"    {l} = {self.const(math.nan, r.dtype)}"]
 
     def reduction(self, pad: str, q: int, idx, acc: str) -> list[str]:
         """Reduce node q along its axis into the local `acc`, at the outer index idx."""
@@ -624,6 +657,47 @@ class _KernelWriter:
         lines += self.statement(pad, lambda: f"out[{self.flat(n.shape, oidx)}] = "
                                 f"{self.store(n.dtype, self.value(src, tuple(sidx)))}")
         return lines
+
+
+def _const_of(g: Graph, j: int) -> Optional[float]:
+    root, _ = view_root(g, j)
+    return g.nodes[root].value if g.nodes[root].op is Op.CONSTANT else None
+
+
+def _split(g: Graph, j: int, op: Op, want) -> Optional[tuple[int, int]]:
+    """Node j's operands (x, other) when j is `op` and `want(x)` holds for one of them."""
+    n = g.nodes[j]
+    if n.op is not op:
+        return None
+    a, b = n.inputs
+    return (a, b) if want(a) else (b, a) if want(b) else None
+
+
+def _softmax_pair(g: Graph, q2: int) -> tuple[int, float]:
+    """(q1, c) when SumReduce q2 sums exp2((y - q1)·c) along its axis, q1 = max(y) on the same
+    axis, c a finite positive constant and everything f32 (16-bit rows keep two loops, which
+    round the max as its buffer would); else (-1, 0)."""
+    none = (-1, 0.0)
+    s = g.nodes[q2]
+    if s.op is not Op.SUM_REDUCE or s.dtype is not DType.F32 or g.nodes[s.inputs[0]].op is not Op.EXP2:
+        return none
+    is_scale = lambda j: (c := _const_of(g, j)) is not None and 0 < c < math.inf  # noqa: E731
+    u = _split(g, g.nodes[s.inputs[0]].inputs[0], Op.MUL, is_scale)
+    if u is None:
+        return none
+    c_node, diff = u
+    add = g.nodes[diff]
+    if add.op is not Op.ADD:
+        return none
+    for y, neg in (tuple(add.inputs), tuple(reversed(add.inputs))):
+        nm = _split(g, neg, Op.MUL, lambda j: _const_of(g, j) == -1.0)
+        if nm is None or g.nodes[nm[1]].op is not Op.VIEW:
+            continue
+        q1 = g.nodes[nm[1]].inputs[0]
+        r = g.nodes[q1]
+        if r.op is Op.MAX_REDUCE and r.inputs[0] == y and r.axis == s.axis and r.dtype is DType.F32:
+            return q1, float(_const_of(g, c_node))
+    return none
 
 
 def _checked_index(pad: str, size, op: str) -> list[str]:

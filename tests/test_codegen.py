@@ -166,7 +166,7 @@ class _Norms(torch.nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softmax_and_norms_are_one_row_kernel_each(local_pipeline, dtype):
     """Softmax, layer norm and RMS norm: their reductions and the elementwise work reading them
-    back run as one kernel per row (max, then sum, then the row written), matching torch;
+    back run as one kernel per row (the reductions' loops, then the row written), matching torch;
     -inf mask entries stay exact and a fully masked row is NaN as in torch."""
     torch.manual_seed(0)
     m = _Norms().to(dtype)
@@ -176,6 +176,12 @@ def test_softmax_and_norms_are_one_row_kernel_each(local_pipeline, dtype):
     mask[1, 2, :] = float("-inf")
     compiled = kiln.compile(m, (x, y, mask), pipeline=local_pipeline, candidates=1)
     assert _kinds(local_pipeline, compiled) == ["row", "row", "row"]
+    # reduction loops per row: f32 softmax's max and sum of exponentials share one (online
+    # softmax; bf16 keeps two, rounding the max as its buffer would), layer norm's mean and
+    # variance two, RMS norm's sum of squares one
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+    loops = sorted(k.source.count("for ra in range") for k in bundle.kernels)
+    assert loops == ([1, 1, 2] if dtype is torch.float32 else [1, 2, 2]), loops
     tol = 1e-5 if dtype is torch.float32 else 2e-2  # bf16: output rounding (8 bits)
     with torch.no_grad():
         for got, ref in zip(compiled(x, y, mask), m(x, y, mask)):
@@ -266,3 +272,20 @@ def test_attention_fusion_is_a_schedule_choice(local_pipeline):
     on, off = partition(kg.graph), partition(kg.graph, schedule=Schedule(attention=False))
     assert "attention" in [k.kind for k in on.kernels]
     assert [k.kind for k in off.kernels].count("gemm") == 2 and "row" in [k.kind for k in off.kernels]
+
+
+def test_online_softmax_matches_torch_on_special_values(local_pipeline):
+    """One-pass softmax (running max, rescaled sum) against torch on the rows that break a
+    careless one: -inf before finite values, all -inf, +inf, NaN, a large spread."""
+    x = torch.randn(6, 9)
+    x[0, :4] = float("-inf")  # the running max starts at -inf and stays there a while
+    x[1, :] = float("-inf")
+    x[2, 3] = float("inf")
+    x[3, 5] = float("nan")
+    x[4] = torch.linspace(-300, 300, 9)  # every new element raises the max: each rescales the sum
+    compiled = kiln.compile(Fn(lambda x: torch.softmax(x, -1)), (x,), pipeline=local_pipeline, candidates=1)
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+    assert [k.source.count("for ra in range") for k in bundle.kernels] == [1]
+    got, ref = compiled(x), torch.softmax(x, -1)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6, equal_nan=True), (got, ref)
+    assert torch.equal(got.isnan(), ref.isnan())
