@@ -29,7 +29,7 @@ from kiln.ir.serialize import dtype_from_pb, tensor_spec_from_pb
 from kiln.ir.kernel import kernel_named_by_content
 from kiln.ir.shape import Sym, evaluate_dim, format_shape
 from kiln.store import BlobStore
-from kiln.telemetry import span
+from kiln.telemetry import child_span, span
 from kiln.v1 import ir_pb2
 
 MAX_SESSIONS = 64  # least recently used sessions beyond this are evicted
@@ -187,7 +187,7 @@ class Executor:
         sid = s.id
         args, env = check_inputs(s.inputs, inputs, s.symbols)
         sym_args = [np.int64(env[name]) for name, _, _ in s.symbols]
-        with span("executor.run", **{"kiln.session": sid, "kiln.bundle": str(s.bundle)}):
+        with child_span("executor.run", **{"kiln.session": sid, "kiln.bundle": str(s.bundle)}):
             with s.lock:  # buffers in the entry are per call, but numba's first call compiles
                 try:
                     outs = s.entry(*args, *s.weights, *sym_args)

@@ -17,7 +17,7 @@ import numpy as np
 from kiln import cache, errors
 from kiln.digest import Digest
 from kiln.store import BlobStore, open_store
-from kiln.telemetry import setup_tracing, span
+from kiln.telemetry import child_span, setup_tracing, span
 from kiln.tensors import array_from_pb, array_to_pb, numpy_to_torch, torch_to_numpy
 from kiln.v1 import services_pb2
 
@@ -263,20 +263,31 @@ class CompiledModule:
         # tensor inputs in placeholder order; export specialized non-tensor arguments away
         self._input_names = [t.name for t in bundle.inputs]
         self._out_tree = pytree.treespec_loads(bundle.output_tree) if bundle.output_tree else None
+        # compiled for positional tensors only: a call passing just those skips flattening
+        n = len(self._input_names)
+        self._positional = in_spec is None or in_spec == pytree.tree_flatten((tuple(range(n)), {}))[1]
 
     def __call__(self, *args, **kwargs):
         import torch
         from torch.utils import _pytree as pytree
 
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        if self._in_spec is not None and spec != self._in_spec:
-            raise errors.InvalidArgument(f"arguments have structure {spec}, the module was compiled for "
-                                         f"{self._in_spec}")
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if len(tensors) != len(self._input_names):
-            raise errors.InvalidArgument(f"expected {len(self._input_names)} tensor arguments, got {len(tensors)}")
+        if self._positional and not kwargs and len(args) == len(self._input_names) and \
+                all(isinstance(x, torch.Tensor) for x in args):
+            tensors = args
+        else:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            if self._in_spec is not None and spec != self._in_spec:
+                raise errors.InvalidArgument(f"arguments have structure {spec}, the module was compiled for "
+                                             f"{self._in_spec}")
+            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+            if len(tensors) != len(self._input_names):
+                raise errors.InvalidArgument(f"expected {len(self._input_names)} tensor arguments, "
+                                             f"got {len(tensors)}")
         inputs = [(n, torch_to_numpy(t)) for n, t in zip(self._input_names, tensors)]
-        with span("kiln.call", **{"kiln.session": self.session}):
+        # a remote call is its own trace (client, gRPC, executor); an in-process call is traced
+        # only inside a caller's trace, so a forward pass costs no span when nothing traces it
+        with span("kiln.call", **{"kiln.session": self.session}) if self.pipeline.remote else \
+                child_span("kiln.call", **{"kiln.session": self.session}):
             outs = self.pipeline.run(self.session, inputs)
         result = [numpy_to_torch(a) for _, a in outs]
         return pytree.tree_unflatten(result, self._out_tree) if self._out_tree is not None else tuple(result)
