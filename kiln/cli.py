@@ -162,6 +162,22 @@ def cmd_demo(args) -> int:
     return main(args)
 
 
+def cmd_bench(args) -> int:
+    from kiln.bench import MODELS, bench, plot, report, write_json
+
+    names = list(MODELS) if args.model == "all" else [args.model]
+    results = []
+    for name in names:
+        r = bench(name, repeats=args.repeats, inductor=not args.no_inductor, pipeline=_pipeline(args))
+        print(report(r), flush=True)
+        results.append(r)
+    if args.json:
+        write_json(results, args.json)
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kiln", description="kiln: an ahead-of-time search compiler for inference")
     ap.add_argument("--store", default=None, help="blob store URL (default $KILN_STORE or file://~/.cache/kiln)")
@@ -209,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     sh = sub.add_parser("show", help="print a graph, kernel graph, bundle or manifest by digest")
     sh.add_argument("digest")
     sh.set_defaults(fn=cmd_show)
+    b = sub.add_parser("bench", help="kiln vs torch eager vs torch.compile: latency, error, peak memory")
+    b.add_argument("model", choices=["mlp", "llama-seq1", "llama-seq128", "bert", "resnet", "all"])
+    b.add_argument("--repeats", type=int, default=20, help="timed calls of each, interleaved (median)")
+    b.add_argument("--json", default=None, help="write the results as JSON")
+    b.add_argument("--plot", default=None, help="write a PNG bar chart")
+    b.add_argument("--no-inductor", action="store_true", help="skip torch.compile (it compiles for minutes)")
+    b.set_defaults(fn=cmd_bench)
     d = sub.add_parser("demo", help="compile the example encoder and compare it with torch eager")
     d.add_argument("--repeats", type=int, default=50)
     d.set_defaults(fn=cmd_demo)

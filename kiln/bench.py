@@ -1,0 +1,235 @@
+"""`kiln bench`: kiln against torch eager and torch.compile (inductor) on the same inputs.
+
+Each model is run by the three in one process, on the same thread count, interleaved call by
+call after warm-up; latencies are medians. Peak memory is the rise of the process's resident
+set (VmHWM, reset through /proc/self/clear_refs) over one call of each. For models with
+GEMMs the harness also times BLAS sgemm (torch.mm) on each GEMM shape of kiln's kernel graph
+in the same run: the model's GEMM flops over that time is the roofline kiln is held against.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+MODELS = ("mlp", "llama-seq1", "llama-seq128", "bert", "resnet")
+
+
+@dataclass
+class BenchResult:
+    model: str
+    kiln_ms: float
+    eager_ms: float
+    inductor_ms: Optional[float]
+    max_abs_err: float
+    kiln_peak_mb: float
+    eager_peak_mb: float
+    inductor_peak_mb: Optional[float]
+    threads: int
+    repeats: int
+    kernels: int
+    gemm_gflop: float = 0.0          # the model's GEMM work per call
+    sgemm_ms: Optional[float] = None  # BLAS sgemm on the same shapes, same run
+    roofline: Optional[float] = None  # sgemm time over kiln's time: the share of the GEMM roofline reached
+    targets: dict = field(default_factory=dict)
+
+
+def build(name: str):
+    """(module, positional inputs) with random weights, built from small configs."""
+    from kiln.examples import mlp_example, resnet_example
+
+    torch.manual_seed(0)
+    if name == "mlp":
+        m, args = mlp_example()
+        return m, args
+    if name == "resnet":
+        return resnet_example()
+    if name.startswith("llama-seq"):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from kiln.hf import ModelOutputTensor
+
+        seq = int(name.removeprefix("llama-seq"))
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        return ModelOutputTensor(model.eval()), (torch.randint(0, 1000, (1, seq)),)
+    if name == "bert":
+        from transformers import BertConfig, BertModel
+
+        from kiln.hf import ModelOutputTensor
+
+        model = BertModel(BertConfig(vocab_size=1000, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                                     intermediate_size=1536))
+        ids = torch.randint(0, 1000, (8, 64))
+        return ModelOutputTensor(model.eval()), (ids,)
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+def _peak_mb(fn: Callable[[], object]) -> float:
+    """The resident set's rise over one call (Linux: VmHWM after resetting it)."""
+    gc.collect()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return float("nan")
+    before = _status_kb("VmRSS")
+    fn()
+    return max(0.0, (_status_kb("VmHWM") - before) / 1024)
+
+
+def _status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def _gemm_shapes(compiled) -> list[tuple[int, int, int, int]]:
+    """(batch, M, N, K) of every GEMM kiln's kernel graph computes (attention kernels hold two)."""
+    from kiln.ir.kernel import gemm_dims, kernel_gemm, kernel_graph_from_pb
+    from kiln.ir.shape import evaluate_dim
+    from kiln.v1 import ir_pb2
+
+    p = compiled.pipeline
+    kg = kernel_graph_from_pb(p.store.get_message(compiled.result.kernel_graph, ir_pb2.KernelGraph))
+    env = {name: hi for name, _, hi in kg.graph.symbols}
+    out = []
+    for k in kg.kernels:
+        gis = [kernel_gemm(kg.graph, k)] if k.kind == "gemm" else [k.scores, k.output] if k.kind == "attention" else []
+        for gi in gis:
+            _, b, m, n, kk = gemm_dims(kg.graph, gi)
+            out.append(tuple(evaluate_dim(d, env) for d in (b, m, n, kk)))
+    return out
+
+
+def _sgemm_ms(shapes, repeats: int) -> float:
+    """BLAS sgemm (torch.bmm / mm) on each shape, medians summed: the GEMM work's floor."""
+    total = 0.0
+    for b, m, n, k in shapes:
+        a, w = torch.randn(b, m, k), torch.randn(b, k, n)
+        f = (lambda: torch.mm(a[0], w[0])) if b == 1 else (lambda: torch.bmm(a, w))
+        for _ in range(3):
+            f()
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        total += statistics.median(times) * 1e3
+    return total
+
+
+def bench(name: str, repeats: int = 20, warmup: int = 5, inductor: bool = True, pipeline=None) -> BenchResult:
+    import kiln
+
+    if repeats < 1 or warmup < 0:
+        raise ValueError("repeats must be at least 1 and warmup at least 0")
+    import numba
+
+    model, args = build(name)
+    threads = numba.get_num_threads()
+    torch.set_num_threads(threads)  # torch and inductor on the threads kiln's kernels get
+    compiled = kiln.compile(model, args, pipeline=pipeline)
+    runners: dict[str, Callable[[], object]] = {"kiln": lambda: compiled(*args), "eager": lambda: model(*args)}
+    if inductor:
+        ind = torch.compile(model)
+        runners["inductor"] = lambda: ind(*args)
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    with torch.no_grad():
+        ref = model(*args)
+        got = compiled(*args)
+        err = float((got.float() - ref.float()).abs().max())
+        for _ in range(warmup):
+            for f in runners.values():
+                f()
+        for _ in range(repeats):  # interleaved: every system sees the same machine state
+            for key, f in runners.items():
+                t = time.perf_counter()
+                f()
+                times[key].append(time.perf_counter() - t)
+        peaks = {key: _peak_mb(f) for key, f in runners.items()}
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    shapes = _gemm_shapes(compiled)
+    gflop = sum(2.0 * b * m * n * k for b, m, n, k in shapes) / 1e9
+    sgemm = _sgemm_ms(shapes, repeats) if shapes else None
+    r = BenchResult(name, med["kiln"], med["eager"], med.get("inductor"), err, peaks["kiln"], peaks["eager"],
+                    peaks.get("inductor"), threads, repeats, compiled.result.kernels, gflop, sgemm,
+                    sgemm / med["kiln"] if sgemm else None)
+    r.targets = targets(r)
+    return r
+
+
+def targets(r: BenchResult) -> dict:
+    """The goals the harness checks (issue 5), each True or False; absent when not measured."""
+    t = {}
+    if not math.isnan(r.kiln_peak_mb) and not math.isnan(r.eager_peak_mb):
+        t["peak memory <= eager"] = r.kiln_peak_mb <= r.eager_peak_mb
+    if r.model == "bert":
+        if r.inductor_ms is not None:
+            t["latency <= 0.95 x inductor"] = r.kiln_ms <= 0.95 * r.inductor_ms
+        if r.roofline is not None:
+            t[">= 85% of the GEMM roofline"] = r.roofline >= 0.85
+    if r.model == "llama-seq1":
+        t[">= 5x faster than eager"] = r.eager_ms >= 5 * r.kiln_ms
+        if r.inductor_ms is not None:
+            t[">= 2x faster than inductor"] = r.inductor_ms >= 2 * r.kiln_ms
+    return t
+
+
+def report(r: BenchResult) -> str:
+    def ms(v):
+        return "-" if v is None else f"{v:.3f} ms"
+
+    lines = [f"{r.model}: {r.kernels} kernels, {r.threads} threads, median of {r.repeats}",
+             f"  kiln      {ms(r.kiln_ms):>12}  peak {r.kiln_peak_mb:9.3f} MB",
+             f"  eager     {ms(r.eager_ms):>12}  peak {r.eager_peak_mb:9.3f} MB  kiln is {r.eager_ms / r.kiln_ms:.2f}x "
+             f"faster"]
+    if r.inductor_ms is not None:
+        lines.append(f"  inductor  {ms(r.inductor_ms):>12}  peak {r.inductor_peak_mb:9.3f} MB  "
+                     f"kiln is {r.inductor_ms / r.kiln_ms:.2f}x faster")
+    lines.append(f"  max abs err vs eager {r.max_abs_err:.2e}")
+    if r.sgemm_ms is not None:
+        lines.append(f"  GEMMs {r.gemm_gflop:.3f} GFLOP: sgemm alone {r.sgemm_ms:.3f} ms, kiln "
+                     f"{r.gemm_gflop / r.kiln_ms:.1f} GFLOP/s = {100 * r.roofline:.0f}% of the roofline")
+    for goal, ok in r.targets.items():
+        lines.append(f"  target {goal}: {'met' if ok else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def write_json(results: list[BenchResult], path: str) -> None:
+    Path(path).write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+
+
+def plot(results: list[BenchResult], path: str) -> None:
+    """A bar chart per model: kiln's and inductor's latency relative to eager's (eager = 1),
+    with each bar's milliseconds written on it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(4.5, 2.4 * len(results)), 4))
+    width = 0.27
+    for i, (label, key) in enumerate((("kiln", "kiln_ms"), ("eager", "eager_ms"), ("inductor", "inductor_ms"))):
+        xs = [j + (i - 1) * width for j in range(len(results))]
+        ms = [getattr(r, key) for r in results]
+        bars = ax.bar(xs, [m / r.eager_ms if m else 0 for m, r in zip(ms, results)], width, label=label)
+        for bar, m in zip(bars, ms):
+            if m:
+                ax.annotate(f"{m:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                            va="bottom", fontsize=7)
+    ax.set_xticks(range(len(results)), [r.model for r in results])
+    ax.set_ylabel("latency / eager latency (lower is faster)")
+    ax.legend()
+    ax.set_title(f"kiln vs torch on {results[0].threads} threads (medians, ms on the bars)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
