@@ -116,6 +116,11 @@ def lower_exp(b, node, x):
     return C.exp(b, _to(b, x, out_dtype(node)))
 
 
+@register_lowering(aten.exp2.default)
+def lower_exp2(b, node, x):
+    return b.unary(Op.EXP2, _to(b, x, out_dtype(node)))
+
+
 @register_lowering(aten.log.default)
 def lower_log(b, node, x):
     return C.log(b, _to(b, x, out_dtype(node)))

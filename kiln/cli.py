@@ -178,6 +178,42 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    """Per-kernel times of a bundle (by digest, with --manifest) or of a model compiled first."""
+    from executor_svc.kernel_profile import kernel_times
+    from kiln.digest import Digest
+    from kiln.v1 import ir_pb2
+
+    p = _pipeline(args)
+    if p.remote:
+        print("kiln profile: times kernels in this process; unset the service addresses", file=sys.stderr)
+        return 2
+    path = Path(args.model)
+    if path.exists():
+        from kiln.hf import is_hf_directory
+
+        program = p.upload_program(_load_model(args)) if is_hf_directory(path) else p.store.put(path.read_bytes())
+        r = p.compile_program(program)
+        bundle_d, manifest_d = r.bundle, r.manifest
+    else:
+        if not args.manifest:
+            print("kiln profile: a bundle digest needs --manifest", file=sys.stderr)
+            return 2
+        bundle_d, manifest_d = Digest.parse(args.model), Digest.parse(args.manifest)
+    ex = p._local_executor()
+    session = ex.open(bundle_d, manifest_d)
+    bundle = p.store.get_message(bundle_d, ir_pb2.Bundle)
+    times, whole = kernel_times(session, bundle, args.repeats)
+    total = sum(t.seconds for t in times)
+    print(f"bundle {bundle_d}: {len(times)} kernels, median of {args.repeats} runs")
+    print(f"{'kernel':<20} {'kind':<12} {'ms':>9} {'share':>7}")
+    for t in sorted(times, key=lambda t: -t.seconds)[:args.top]:
+        print(f"{t.name:<20} {t.kind:<12} {t.seconds * 1e3:9.4f} {100 * t.seconds / total:6.1f}%")
+    print(f"sum of kernels {total * 1e3:.4f} ms (each timed from Python, a dispatch included); "
+          f"compiled entry {whole * 1e3:.4f} ms")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kiln", description="kiln: an ahead-of-time search compiler for inference")
     ap.add_argument("--store", default=None, help="blob store URL (default $KILN_STORE or file://~/.cache/kiln)")
@@ -225,6 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
     sh = sub.add_parser("show", help="print a graph, kernel graph, bundle or manifest by digest")
     sh.add_argument("digest")
     sh.set_defaults(fn=cmd_show)
+    pr = sub.add_parser("profile", help="time each kernel of a bundle, or of a model compiled first")
+    pr.add_argument("model", help="a .pt2 file, a Hugging Face directory, or a bundle digest (with --manifest)")
+    pr.add_argument("--manifest", default=None, help="the weight manifest digest, for a bundle digest")
+    pr.add_argument("--repeats", type=int, default=20)
+    pr.add_argument("--top", type=int, default=1 << 30, help="show only the N slowest kernels")
+    pr.add_argument("--batch", type=int, default=1, help="batch size of a Hugging Face model's example input")
+    pr.add_argument("--seq-len", type=int, default=16, help="sequence length of a Hugging Face model's example input")
+    pr.set_defaults(fn=cmd_profile)
     b = sub.add_parser("bench", help="kiln vs torch eager vs torch.compile: latency, error, peak memory")
     b.add_argument("model", choices=["mlp", "llama-seq1", "llama-seq128", "bert", "resnet", "all"])
     b.add_argument("--repeats", type=int, default=20, help="timed calls of each, interleaved (median)")

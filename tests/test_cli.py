@@ -123,3 +123,18 @@ def test_calibrate_then_compile_with_a_prediction(compiled_mlp):
     # from the uncalibrated one); asking for the prediction only reports it.
     plain = json.loads(kiln_cli("compile", str(d / "mlp.pt2"), env=env).stdout)
     assert "predicted_ms" not in plain and plain["bundle"] == predicted["bundle"]
+
+
+def test_profile_times_each_kernel(compiled_mlp):
+    d, env, out, _, _ = compiled_mlp
+    for args in ((out["bundle"], "--manifest", out["manifest"]), (str(d / "mlp.pt2"),)):
+        r = kiln_cli("profile", *args, "--repeats", "5", env=env)
+        lines = r.stdout.splitlines()
+        rows = [l.split() for l in lines[2:-1]]
+        assert lines[0].startswith(f"bundle {out['bundle']}: {len(rows)} kernels")
+        assert {row[1] for row in rows} >= {"gemm"} and len(rows) == out["kernels"]
+        shares = [float(row[3].rstrip("%")) for row in rows]
+        assert abs(sum(shares) - 100) < 1 and shares == sorted(shares, reverse=True)
+        assert "compiled entry" in lines[-1]
+    bad = kiln_cli("profile", out["bundle"], env=env, check=False)
+    assert bad.returncode == 2 and "--manifest" in bad.stderr

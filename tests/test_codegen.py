@@ -289,3 +289,21 @@ def test_online_softmax_matches_torch_on_special_values(local_pipeline):
     got, ref = compiled(x), torch.softmax(x, -1)
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6, equal_nan=True), (got, ref)
     assert torch.equal(got.isnan(), ref.isnan())
+
+
+def test_exp2_is_a_vectorizable_polynomial_within_3e_7(local_pipeline):
+    """Generated exp2 (exponent bits times a polynomial, no libm call) against torch: relative
+    error under 3e-7 for results from 2**-125.5 up, 0 below, inf above 128, NaN kept."""
+    x = torch.cat([torch.linspace(-125.5, 127.9, 200_001),
+                   torch.tensor([float("inf"), float("-inf"), float("nan"), 128.5, -126.0, -300.0])])
+    compiled = kiln.compile(Fn(lambda x: torch.exp2(x)), (x,), pipeline=local_pipeline, candidates=1)
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+    assert any("_exp2(" in k.source for k in bundle.kernels)
+    got, ref = compiled(x).double(), torch.exp2(x.double())
+    normal = x[:200_001]
+    rel = ((got[:200_001] - ref[:200_001]).abs() / ref[:200_001]).max().item()
+    assert rel < 3e-7, rel
+    assert normal.numel() == 200_001
+    tail = got[200_001:].tolist()
+    assert tail[0] == float("inf") and tail[1] == 0.0 and tail[2] != tail[2] and tail[3] == float("inf")
+    assert tail[4] < 1.2e-38 and tail[5] == 0.0
