@@ -194,6 +194,7 @@ class _KernelWriter:
         # walked level by level; naming each level's flat index keeps the expression linear in
         # the chain's length instead of growing as dims ** levels)
         self.lets: dict[str, str] = {}
+        self.let_count = 0
         # while an epilogue is written: (gemm node, its Mul's shape, batch/M/N axes, the element
         # of the product at {b}, {m}, {n})
         self.gemm_value = None
@@ -217,7 +218,10 @@ class _KernelWriter:
         for name, e in self.lets.items():
             if e == expr:
                 return name
-        name = f"x{len(self.lets)}"
+        # every temporary of the kernel has its own name: numba types a name once per function,
+        # so reusing one for an index and a float (or a bool) would unify them to float64
+        name = f"x{self.let_count}"
+        self.let_count += 1
         self.lets[name] = expr
         return name
 
@@ -508,12 +512,32 @@ class _KernelWriter:
                 q2, c = pairs[q]
                 lines += self.online_softmax(pad, q, q2, c, idx)
                 done.add(q2)
+                self.row_values[q2] = f"acc{q2}"
             else:
                 lines += self.reduction(pad, q, idx, f"acc{q}")
             # the value a buffer would have held: 16-bit floats round as they would be stored
             self.row_values[q] = f"{_ROUND[r.dtype]}(acc{q})" if r.dtype.is_half else f"acc{q}"
-        for q in done:
-            self.row_values[q] = f"acc{q}"
+            lines += self.row_locals(pad, idx)
+        return lines
+
+    def row_locals(self, pad: str, idx) -> list[str]:
+        """Compute once per row, as locals, the members whose shape is the row's (the axis
+        reduced to 1) once the row values they read are known: a norm's 1/sqrt(var + eps), a
+        softmax's 1/sum and its fully-masked-row test are then not redone for each element."""
+        g, a = self.g, self.k.axis
+        s = g.nodes[self.k.output if self.k.kind == "row" else gemm_axes(g, self.k.output).a_root].shape
+        row = tuple(1 if j == a else d for j, d in enumerate(s))
+        ridx = tuple("0" if j == a else i for j, i in enumerate(idx))
+        lines = []
+        for q in self.k.nodes:
+            n = g.nodes[q]
+            if q in self.row_values or tuple(n.shape) != row or n.op not in GroupOp.Elementwise:
+                continue
+            deps = [view_root(g, x)[0] for x in n.inputs]
+            if any(d in self.inside and d not in self.row_values and g.nodes[d].op is not Op.CONSTANT for d in deps):
+                continue  # reads a row value not computed yet
+            lines += self.statement(pad, lambda: f"rv{q} = {self.value(q, ridx)}")
+            self.row_values[q] = f"rv{q}"
         return lines
 
     def online_softmax(self, pad: str, q1: int, q2: int, c: float, idx) -> list[str]:
