@@ -131,8 +131,11 @@ def test_profile_times_each_kernel(compiled_mlp):
         r = kiln_cli("profile", *args, "--repeats", "5", env=env)
         lines = r.stdout.splitlines()
         rows = [l.split() for l in lines[2:-1]]
-        assert lines[0].startswith(f"bundle {out['bundle']}: {len(rows)} kernels")
-        assert {row[1] for row in rows} >= {"gemm"} and len(rows) == out["kernels"]
+        # (compiling the .pt2 again may pick another schedule once the target is calibrated)
+        assert lines[0].startswith("bundle ") and lines[0].split(": ")[1].startswith(f"{len(rows)} kernels")
+        assert {row[1] for row in rows} >= {"gemm"}
+        if args[0] == out["bundle"]:
+            assert len(rows) == out["kernels"]
         shares = [float(row[3].rstrip("%")) for row in rows]
         assert abs(sum(shares) - 100) < 1 and shares == sorted(shares, reverse=True)
         assert "compiled entry" in lines[-1]
