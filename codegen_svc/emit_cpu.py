@@ -596,13 +596,10 @@ class _KernelWriter:
     def emit_gemm(self):
         gi = kernel_gemm(self.g, self.k)
         r = self.g.nodes[gi]
-        mul = self.g.nodes[r.inputs[0]]
         gm = gemm_axes(self.g, gi)
         m_axes, n_axes, b_axes = list(gm.m_axes), list(gm.n_axes), list(gm.batch_axes)
-        F = mul.shape
+        F, Bt, Mt, Nt, K = gemm_dims(self.g, gi)
         k = r.axis
-        prod = lambda axes: numel(tuple(F[j] for j in axes))
-        Bt, Mt, Nt, K = prod(b_axes), prod(m_axes), prod(n_axes), F[k]
         lines = []
         la, a_at, a_rows = self._operand("A", "A", gm.a_node, gm.a_root, gm.a_spec, b_axes, m_axes, k, F, Bt, Mt,
                                          K, r.dtype)

@@ -4,9 +4,9 @@ The compiled entry calls its kernels with no Python between them, so it cannot b
 piecewise. Instead its Python form (numba keeps it as `py_func`) runs with each kernel wrapped
 in a timer; the kernels themselves are the same compiled functions. The i-th call of a run is
 the i-th call line of the entry's source, which names the kernel graph's kernel it runs (a
-kernel module shared by several kernels, such as every layer's, is one bundle entry). Each time includes one dispatch
-from Python into numba (a few microseconds), which the compiled entry does not pay; the
-report gives the compiled entry's own time beside the sum.
+kernel module shared by several kernels, such as every layer's, is one bundle entry). Each
+time includes one dispatch from Python into numba (a few microseconds), which the compiled
+entry does not pay; the report gives the compiled entry's own time beside the sum.
 """
 
 from __future__ import annotations

@@ -34,6 +34,8 @@ def default_candidates() -> int:
     if n < 1:
         raise errors.InvalidArgument(f"KILN_CANDIDATES must be at least 1, got {n}")
     return n
+
+
 CHOOSE_REPEATS = 20
 CHOOSE_VERSION = "choose-1"
 

@@ -3,8 +3,9 @@
 Each kernel costs the larger of its compute time and its memory time, plus the target's fixed
 cost per kernel (a parallel kernel's, measured on a prange loop, or a serial one's). A GEMM
 computes 2·B·M·N·K flops (an attention kernel: its two GEMMs', plus its softmax's elementwise
-work) at the GFLOP/s that Calibrate measured for the nearest shape class (by log of M·N·K; a single-row GEMM uses the GEMV class), one thread's rate, times the pool's
-threads when the GEMM is parallel; every kernel moves its output and the buffers it reads once
+work) at the GFLOP/s that Calibrate measured for the nearest shape class (by log of M·N·K; a
+single-row GEMM uses the GEMV class), one thread's rate, times the pool's threads when the GEMM
+is parallel; every kernel moves its output and the buffers it reads once
 at the measured bandwidth, and elementwise work runs at the measured elementwise rate (both
 measured with the whole pool: a serial kernel gets one thread's share). Symbolic dims take
 their largest binding.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kiln.ir.kernel import KernelGraph, gemm_axes, kernel_gemm
+from kiln.ir.kernel import KernelGraph, gemm_axes, gemm_dims, kernel_gemm
 from kiln.ir.shape import evaluate_dim, numel
 from kiln.v1 import services_pb2
 
@@ -41,10 +42,7 @@ def gemm_rate(profile: services_pb2.TargetProfile, m: int, n: int, k: int) -> fl
 
 
 def _gemm_seconds(g, gi: int, env, profile: services_pb2.TargetProfile, pool: int) -> float:
-    ga = gemm_axes(g, gi)
-    shape = [evaluate_dim(d, env) for d in g.nodes[g.nodes[gi].inputs[0]].shape]
-    prod = lambda axes: math.prod(shape[a] for a in axes)  # noqa: E731
-    m, n, kk, batch = prod(ga.m_axes), prod(ga.n_axes), shape[g.nodes[gi].axis], prod(ga.batch_axes)
+    batch, m, n, kk = (evaluate_dim(d, env) for d in gemm_dims(g, gi)[1:])
     return 2.0 * batch * m * n * kk / (gemm_rate(profile, m, n, kk) * 1e9 * pool)
 
 

@@ -12,9 +12,8 @@ from kiln.examples import mlp_example
 
 def test_candidates_are_timed_and_the_fastest_is_kept(pipeline):
     """In process and over gRPC (Calibrate, Optimize, Emit and Profile on the services)."""
-    local_pipeline = pipeline
     model, (x,) = mlp_example()
-    compiled = kiln.compile(model, (x,), pipeline=local_pipeline, candidates=8)
+    compiled = kiln.compile(model, (x,), pipeline=pipeline, candidates=8)
     report = compiled.result.report
     cands = list(report.candidates)
     assert 2 <= len(cands) <= 8
@@ -31,12 +30,12 @@ def test_candidates_are_timed_and_the_fastest_is_kept(pipeline):
     assert torch.allclose(compiled(x), ref, rtol=1e-4, atol=1e-5)
     # every candidate computes the same function: load each and compare with eager
     for c in cands:
-        bundle, _, _ = local_pipeline.emit(Digest.from_pb(c.kernel_graph))
-        sid = local_pipeline.load(bundle, compiled.result.manifest)
-        (_, out), = local_pipeline.run(sid, [("x", x.numpy())])
+        bundle, _, _ = pipeline.emit(Digest.from_pb(c.kernel_graph))
+        sid = pipeline.load(bundle, compiled.result.manifest)
+        (_, out), = pipeline.run(sid, [("x", x.numpy())])
         np.testing.assert_allclose(out, ref.numpy(), rtol=1e-4, atol=1e-5, err_msg=c.schedule)
     # the choice is made once: a second compile reads it from the action cache
-    again = kiln.compile(model, (x,), pipeline=local_pipeline, candidates=8)
+    again = kiln.compile(model, (x,), pipeline=pipeline, candidates=8)
     assert again.result.report == report and again.result.bundle == compiled.result.bundle
 
 

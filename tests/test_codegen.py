@@ -300,10 +300,8 @@ def test_exp2_is_a_vectorizable_polynomial_within_3e_7(local_pipeline):
     bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
     assert any("_exp2(" in k.source for k in bundle.kernels)
     got, ref = compiled(x).double(), torch.exp2(x.double())
-    normal = x[:200_001]
     rel = ((got[:200_001] - ref[:200_001]).abs() / ref[:200_001]).max().item()
     assert rel < 3e-7, rel
-    assert normal.numel() == 200_001
     tail = got[200_001:].tolist()
     assert tail[0] == float("inf") and tail[1] == 0.0 and tail[2] != tail[2] and tail[3] == float("inf")
     assert tail[4] < 1.2e-38 and tail[5] == 0.0
