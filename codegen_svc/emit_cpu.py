@@ -33,6 +33,7 @@ from codegen_svc.memory import MemoryPlan, plan_memory
 
 GEMM_MIN_ROWS = 128  # rows per block of a GEMM split across the pool
 GEMM_MAX_CHUNKS = 64
+ONLINE_SOFTMAX_MIN_ROW = 4096  # f32 rows up to this long (16 KB) take a softmax in two loops
 ATTENTION_TILE = 64  # query rows an attention kernel works at a time (scores and probabilities stay in cache)
 
 # buffer element types; f16 and bf16 are stored as their 16-bit words (numba has no
@@ -185,6 +186,13 @@ def _scaled(i: str, s: Dim) -> str:
     return i if s == 1 else f"{i}*{_d(s)}"
 
 
+def _at(buf: str, index: str) -> str:
+    """buf's element at a flat index. Flat indices are never negative, and an unsigned index
+    tells numba so: it then drops the negative-index wraparound, which otherwise keeps LLVM
+    from vectorizing the loop (a parallel add over 786k floats: 0.63 ms signed, 0.05 unsigned)."""
+    return f"{buf}[{index}]" if index.isdigit() else f"{buf}[np.uint64({index})]"
+
+
 class _KernelWriter:
     def __init__(self, kg: KernelGraph, kernel: Kernel, consts: dict):
         self.g = kg.graph
@@ -268,10 +276,10 @@ class _KernelWriter:
         if j in self.row_values:
             return self.row_values[j]
         if j in self.reads:
-            return self.load(n.dtype, f"{self.reads[j]}[{self.flat(n.shape, idx)}]")
+            return self.load(n.dtype, _at(self.reads[j], self.flat(n.shape, idx)))
         if self.gemm_value is not None and j == self.gemm_value[0]:
             if self.gemm_flat:
-                return f"{self.gemm_flat}[{self.flat(n.shape, idx)}]"
+                return _at(self.gemm_flat, self.flat(n.shape, idx))
             _, F, b_axes, m_axes, n_axes, at = self.gemm_value
             if self.row_col is not None:  # an attention kernel's scores: this row's element at the loop's column
                 return at.format(col=self.row_col)
@@ -337,10 +345,10 @@ class _KernelWriter:
             inner = root if level == len(specs) - 1 else None
             src_shape = self.g.nodes[root].shape if inner is not None else specs[level + 1].shape
             if inner is not None and root in self.reads:
-                val = self.load(self.g.nodes[root].dtype, f"{self.reads[root]}[{flat}]")
+                val = self.load(self.g.nodes[root].dtype, _at(self.reads[root], flat))
                 break
             if inner is not None and self.gemm_flat and root == self.gemm_value[0]:
-                val = f"{self.gemm_flat}[{flat}]"
+                val = _at(self.gemm_flat, flat)
                 break
             cur = self.unravel(self.let(flat), src_shape)
         else:
@@ -397,13 +405,13 @@ class _KernelWriter:
                 "gather": self.emit_gather, "scatter": self.emit_scatter, "row": self.emit_row,
                 "attention": self.emit_attention}[kind]()
         par = "True" if self.k.parallel else "False"
-        head = f"@njit(cache=True, parallel={par}, error_model='numpy', nogil=True)\n"
+        head = f"@njit(cache=True, parallel={par}, error_model='numpy', nogil=True, fastmath={{'reassoc', 'contract'}})\n"
         return head + f"def {KERNEL_PLACEHOLDER}({self.signature()}):\n" + "\n".join(body) + "\n"
 
     def emit_elementwise(self):
         n = self.g.nodes[self.k.output]
         lines, idx, depth = self.loops(n.shape, parallel=self.k.parallel)
-        lines += self.statement("    " * depth, lambda: f"out[{self.flat(n.shape, idx)}] = "
+        lines += self.statement("    " * depth, lambda: _at("out", self.flat(n.shape, idx)) + " = "
                                 f"{self.store(n.dtype, self.value(self.k.output, tuple(idx)))}")
         return lines
 
@@ -419,7 +427,7 @@ class _KernelWriter:
         oidx = list(idx)
         oidx[a] = "ia"
         lines.append(pad + f"for ia in range({_d(n.shape[a])}):")
-        lines += self.statement(pad + "    ", lambda: f"out[{self.flat(n.shape, oidx)}] = "
+        lines += self.statement(pad + "    ", lambda: _at("out", self.flat(n.shape, oidx)) + " = "
                                 f"{self.store(n.dtype, self.value(self.k.output, tuple(oidx)))}")
         return lines
 
@@ -476,7 +484,7 @@ class _KernelWriter:
             idx.append(f"i{j}")
         # the scores are read only at the row's own elements (the partition checks it): the first
         # GEMM's value is the tile's row r at the loop's column (kept in f32, as in an epilogue)
-        self.gemm_value = (gs, Fs, list(sa.batch_axes), list(sa.m_axes), list(sa.n_axes), "st[r, {col}]")
+        self.gemm_value = (gs, Fs, list(sa.batch_axes), list(sa.m_axes), list(sa.n_axes), "st[r, np.uint64({col})]")
         self.row_col = "ra"
         lines += self.row_reductions(pad, tuple(idx), [q for q in k.nodes if q not in (gs, gp)
                                                        and g.nodes[q].op in GroupOp.Reduce])
@@ -486,7 +494,7 @@ class _KernelWriter:
         # P is rounded as the second GEMM would have read it from its buffer
         rnd = (lambda v: f"{_ROUND[g.nodes[p].dtype]}({v})") if g.nodes[p].dtype.is_half else (lambda v: v)
         self.row_col = "ia"
-        lines += self.statement(pad + "    ", lambda: f"pt[r, ia] = {rnd(self.value(p, tuple(oidx)))}")
+        lines += self.statement(pad + "    ", lambda: f"pt[r, np.uint64(ia)] = {rnd(self.value(p, tuple(oidx)))}")
         self.gemm_value = self.row_col = None
         if not out_dtype.is_half:
             lines.append(f"        np.dot(pt[0:m1 - m0], {v_at.format(bi='bi')}, O[bi, m0:m1])")
@@ -496,15 +504,18 @@ class _KernelWriter:
                   "        for r in range(m1 - m0):",
                   f"            base = (bi * {_d(Mt)} + m0 + r) * {_d(Np)}",
                   f"            for c in range({_d(Np)}):",
-                  f"                out[base + c] = {self.store(out_dtype, 'ot[r, c]')}"]
+                  f"                out[np.uint64(base + c)] = {self.store(out_dtype, 'ot[r, c]')}"]
         return lines
 
     def row_reductions(self, pad: str, idx, reductions: list[int]) -> list[str]:
         """A row kernel's reductions in order, each result a local (`acc<node>`) that later
         loops and the row's elements read; a softmax's max and sum of exponentials share one
-        loop (online softmax)."""
+        loop (online softmax) when the row is too long to stay in cache between two."""
         lines = []
-        pairs = {q1: (q2, c) for q2 in reductions for q1, c in [_softmax_pair(self.g, q2)] if q1 in reductions}
+        first = self.g.nodes[reductions[0]] if reductions else None
+        row = self.g.nodes[first.inputs[0]].shape[first.axis] if first is not None else 0
+        pairs = {} if _fits_in_cache(row) else \
+            {q1: (q2, c) for q2 in reductions for q1, c in [_softmax_pair(self.g, q2)] if q1 in reductions}
         done = set()
         for q in reductions:
             if q in done:
@@ -573,12 +584,17 @@ class _KernelWriter:
             else self.const(0.0, r.dtype)
         ridx = list(idx)
         ridx[r.axis] = "ra"
-        lines = [pad + f"{acc} = {init}", pad + f"for ra in range({_d(self.g.nodes[src].shape[r.axis])}):"]
+        nan = is_max and r.dtype.is_float
+        lines = [pad + f"{acc} = {init}"] + ([pad + f"{acc}n = False"] if nan else [])
+        lines.append(pad + f"for ra in range({_d(self.g.nodes[src].shape[r.axis])}):")
         lines += self.statement(pad + "    ", lambda: f"v = {self.value(src, tuple(ridx))}")
         if is_max:
-            # NaN is sticky, as in torch.max: once acc is NaN nothing replaces it
-            test = f"(v > {acc} or v != v) and {acc} == {acc}" if r.dtype.is_float else f"v > {acc}"
-            lines += [pad + f"    if {test}:", pad + f"        {acc} = v"]
+            # branch-free, so the loop vectorizes: a select for the max and a flag for NaN,
+            # which is sticky as in torch.max
+            lines.append(pad + f"    {acc} = v if v > {acc} else {acc}")
+            if nan:
+                lines += [pad + f"    {acc}n = {acc}n | (v != v)",
+                          pad + f"if {acc}n:", pad + f"    {acc} = {self.const(math.nan, r.dtype)}"]
         else:
             lines.append(pad + f"    {acc} += v")
         return lines
@@ -590,7 +606,7 @@ class _KernelWriter:
         lines += self.reduction(pad, self.k.output, idx, "acc")
         oidx = list(idx)
         oidx[n.axis] = "0"
-        lines.append(pad + f"out[{self.flat(n.shape, oidx)}] = {self.store(n.dtype, 'acc')}")
+        lines.append(pad + _at("out", self.flat(n.shape, oidx)) + f" = {self.store(n.dtype, 'acc')}")
         return lines
 
     def emit_gemm(self):
@@ -637,7 +653,7 @@ class _KernelWriter:
         out = self.g.nodes[self.k.output]
         loops, idx, depth = self.loops(out.shape, parallel=self.k.parallel and gi != self.k.output)
         lines += loops
-        lines += self.statement("    " * depth, lambda: f"out[{self.flat(out.shape, idx)}] = "
+        lines += self.statement("    " * depth, lambda: _at("out", self.flat(out.shape, idx)) + " = "
                                 f"{self.store(out.dtype, self.value(self.k.output, tuple(idx)))}")
         return lines
 
@@ -700,7 +716,7 @@ class _KernelWriter:
         lines += _checked_index(pad, src_shape[n.axis], "Gather")
         sidx = list(idx)
         sidx[n.axis] = "j"
-        lines += self.statement(pad, lambda: f"out[{self.flat(n.shape, idx)}] = "
+        lines += self.statement(pad, lambda: _at("out", self.flat(n.shape, idx)) + " = "
                                 f"{self.store(n.dtype, self.value(src, tuple(sidx)))}")
         return lines
 
@@ -708,7 +724,7 @@ class _KernelWriter:
         n = self.g.nodes[self.k.output]
         dst, index, src = n.inputs
         lines, idx, depth = self.loops(n.shape)
-        lines += self.statement("    " * depth, lambda: f"out[{self.flat(n.shape, idx)}] = "
+        lines += self.statement("    " * depth, lambda: _at("out", self.flat(n.shape, idx)) + " = "
                                 f"{self.store(n.dtype, self.value(dst, tuple(idx)))}")
         src_shape = self.g.nodes[index].shape
         loops, sidx, d2 = self.loops(src_shape)
@@ -718,7 +734,7 @@ class _KernelWriter:
         lines += _checked_index(pad, n.shape[n.axis], "Scatter")
         oidx = list(sidx)
         oidx[n.axis] = "j"
-        lines += self.statement(pad, lambda: f"out[{self.flat(n.shape, oidx)}] = "
+        lines += self.statement(pad, lambda: _at("out", self.flat(n.shape, oidx)) + " = "
                                 f"{self.store(n.dtype, self.value(src, tuple(sidx)))}")
         return lines
 
@@ -762,6 +778,15 @@ def _softmax_pair(g: Graph, q2: int) -> tuple[int, float]:
         if r.op is Op.MAX_REDUCE and r.inputs[0] == y and r.axis == s.axis and r.dtype is DType.F32:
             return q1, float(_const_of(g, c_node))
     return none
+
+
+def _fits_in_cache(row: Dim) -> bool:
+    """Whether a row of this many elements stays in L1 between two loops over it. Such rows
+    take a softmax's max and sum of exponentials in two loops, each branch-free and vectorized;
+    longer rows (or rows of unknown length) take one loop (online softmax), which reads memory
+    once but cannot vectorize (its rescaling branches). A 64-wide attention row measured
+    0.37 ms for the two loops against 1.3 ms for the one."""
+    return isinstance(row, int) and row <= ONLINE_SOFTMAX_MIN_ROW
 
 
 def _checked_index(pad: str, size, op: str) -> list[str]:

@@ -189,7 +189,15 @@ def cmd_profile(args) -> int:
         print("kiln profile: times kernels in this process; unset the service addresses", file=sys.stderr)
         return 2
     path = Path(args.model)
-    if path.exists():
+    from kiln import bench
+
+    if args.model in bench.MODELS and not path.exists():  # a benchmark model, built with random weights
+        import torch
+
+        module, example = bench.build(args.model)
+        r = p.compile_program(p.upload_program(torch.export.export(module, example)))
+        bundle_d, manifest_d = r.bundle, r.manifest
+    elif path.exists():
         from kiln.hf import is_hf_directory
 
         program = p.upload_program(_load_model(args)) if is_hf_directory(path) else p.store.put(path.read_bytes())
@@ -262,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("digest")
     sh.set_defaults(fn=cmd_show)
     pr = sub.add_parser("profile", help="time each kernel of a bundle, or of a model compiled first")
-    pr.add_argument("model", help="a .pt2 file, a Hugging Face directory, or a bundle digest (with --manifest)")
+    pr.add_argument("model", help="a .pt2 file, a Hugging Face directory, a kiln bench model name, or a bundle digest (with --manifest)")
     pr.add_argument("--manifest", default=None, help="the weight manifest digest, for a bundle digest")
     pr.add_argument("--repeats", type=int, default=20)
     pr.add_argument("--top", type=int, default=1 << 30, help="show only the N slowest kernels")
