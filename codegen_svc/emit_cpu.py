@@ -27,10 +27,11 @@ from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import SYMBOL_PREFIX, Dim, contiguous_strides, numel, render_dim
 from kiln.ir.view import ViewSpec
 from kiln.telemetry import span
-from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, compose_chain, gemm_axes, gemm_dims,
-                             gemm_writes_rows, kernel_gemm, name_kernel, view_root)
+from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, compose_chain, flat_reads, gemm_axes,
+                             gemm_dims, gemm_writes_rows, kernel_gemm, name_kernel, view_root)
 from codegen_svc.memory import MemoryPlan, plan_memory
 
+EPILOGUE_ROWS = 128  # rows of C a GEMM's epilogue works on at a time, right after BLAS wrote them
 GEMM_MIN_ROWS = 128  # rows per block of a GEMM split across the pool
 GEMM_MAX_CHUNKS = 64
 ONLINE_SOFTMAX_MIN_ROW = 4096  # f32 rows up to this long (16 KB) take a softmax in two loops
@@ -221,6 +222,7 @@ class _KernelWriter:
         self.row_values: dict[int, str] = {}  # row kernels: reductions already computed for the row
         self.row_col: Optional[str] = None  # attention kernels: the loop variable along the row
         self.gemm_flat: Optional[str] = None  # GEMM epilogues: C flat, when its order is the GEMM node's
+        self.gemm_base = ""  # subtracted from a flat index into gemm_flat (a block of C's rows)
 
     def let(self, expr: str) -> str:
         if expr.isidentifier() or expr.isdigit():
@@ -279,7 +281,7 @@ class _KernelWriter:
             return self.load(n.dtype, _at(self.reads[j], self.flat(n.shape, idx)))
         if self.gemm_value is not None and j == self.gemm_value[0]:
             if self.gemm_flat:
-                return _at(self.gemm_flat, self.flat(n.shape, idx))
+                return _at(self.gemm_flat, self.flat(n.shape, idx) + self.gemm_base)
             _, F, b_axes, m_axes, n_axes, at = self.gemm_value
             if self.row_col is not None:  # an attention kernel's scores: this row's element at the loop's column
                 return at.format(col=self.row_col)
@@ -348,7 +350,7 @@ class _KernelWriter:
                 val = self.load(self.g.nodes[root].dtype, _at(self.reads[root], flat))
                 break
             if inner is not None and self.gemm_flat and root == self.gemm_value[0]:
-                val = _at(self.gemm_flat, flat)
+                val = _at(self.gemm_flat, flat + self.gemm_base)
                 break
             cur = self.unravel(self.let(flat), src_shape)
         else:
@@ -627,6 +629,10 @@ class _KernelWriter:
             lines.append(f"    C = out[0:{_d(numel(r.shape))}].reshape(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}))")
         else:
             lines.append(f"    C = np.empty(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}), dtype={_COMPUTE[r.dtype]})")
+        out = self.g.nodes[self.k.output]
+        rows = self._epilogue_rows(gi, Nt) if self.k.parallel and Bt == 1 and a_rows and not direct else None
+        if rows is not None:
+            lines.pop()  # no whole C: each thread keeps one block of rows
         if self.k.parallel and Bt == 1 and a_rows:
             # split M across the pool: each thread multiplies a block of A's rows (BLAS runs
             # single-threaded beside numba's pool, see executor.single_threaded_blas)
@@ -636,8 +642,33 @@ class _KernelWriter:
             lines += [f"    nc = max(1, min({_d(Mt)} // {GEMM_MIN_ROWS}, {GEMM_MAX_CHUNKS}))",
                       "    for c in prange(nc):",
                       f"        lo = c * {_d(Mt)} // nc",
-                      f"        hi = (c + 1) * {_d(Mt)} // nc",
-                      f"        np.dot({a_at.format(bi='0')}[lo:hi], {b_at.format(bi='0')}, C[0][lo:hi])"]
+                      f"        hi = (c + 1) * {_d(Mt)} // nc"]
+            if rows is None:
+                lines.append(f"        np.dot({a_at.format(bi='0')}[lo:hi], {b_at.format(bi='0')}, C[0][lo:hi])")
+            else:
+                # the epilogue runs on each block of C's rows right after BLAS wrote it, while
+                # the block is still in cache, a sub-block of EPILOGUE_ROWS rows at a time
+                lines += [f"        ct = np.empty(({EPILOGUE_ROWS}, {_d(Nt)}), dtype={_COMPUTE[r.dtype]})",
+                          "        Cf = ct.reshape(-1)",
+                          f"        for s0 in range(lo, hi, {EPILOGUE_ROWS}):",
+                          f"            s1 = min(s0 + {EPILOGUE_ROWS}, hi)",
+                          f"            np.dot({a_at.format(bi='0')}[s0:s1], {b_at.format(bi='0')}, ct[0:s1 - s0])",
+                          "            for m in range(s0, s1):"]
+                self.gemm_value = (gi, F, b_axes, m_axes, n_axes, None)
+                self.gemm_flat = "Cf"
+                self.gemm_base = f" - s0*{_d(Nt)}"  # the block's first row is ct's row 0
+                pad = " " * 16
+                lead, idx = rows
+                for j, e in zip(lead, self.unravel("m", tuple(out.shape[j] for j in lead))):
+                    if e != "0":
+                        lines.append(pad + f"i{j} = {e}")
+                for j in range(len(lead), len(out.shape)):
+                    if out.shape[j] != 1:
+                        lines.append(pad + f"for i{j} in range({_d(out.shape[j])}):")
+                        pad += "    "
+                lines += self.statement(pad, lambda: _at("out", self.flat(out.shape, idx)) + " = "
+                                        f"{self.store(out.dtype, self.value(self.k.output, tuple(idx)))}")
+                return lines
         else:
             rng = "prange" if self.k.parallel else "range"
             lines += [f"    for bi in {rng}({_d(Bt)}):",
@@ -650,12 +681,29 @@ class _KernelWriter:
         if gemm_writes_rows(self.g, gi):  # C's flat order is the GEMM node's: read it by flat index
             lines.append("    Cf = C.reshape(-1)")
             self.gemm_flat = "Cf"
-        out = self.g.nodes[self.k.output]
         loops, idx, depth = self.loops(out.shape, parallel=self.k.parallel and gi != self.k.output)
         lines += loops
         lines += self.statement("    " * depth, lambda: _at("out", self.flat(out.shape, idx)) + " = "
                                 f"{self.store(out.dtype, self.value(self.k.output, tuple(idx)))}")
         return lines
+
+    def _epilogue_rows(self, gi: int, Nt):
+        """When the epilogue can run on a block of C's rows as soon as BLAS wrote them: the
+        output has C's elements in C's flat order, every member reads the others only at their
+        own flat positions (reshapes, no permutes), and C's row of Nt elements is the output's
+        trailing dims. Then (the leading dims, which a row number unravels into, and the
+        output's index names); else None."""
+        g, out = self.g, self.g.nodes[self.k.output]
+        members = set(self.k.nodes)
+        if not gemm_writes_rows(g, gi) or numel(out.shape) != numel(g.nodes[gi].shape) or \
+                not flat_reads(g, members, members):
+            return None
+        for p in range(len(out.shape), -1, -1):
+            if numel(tuple(out.shape[p:])) == Nt:
+                lead = list(range(p))
+                idx = tuple("0" if out.shape[j] == 1 else f"i{j}" for j in range(len(out.shape)))
+                return lead, idx
+        return None
 
     @staticmethod
     def _linear(idx, axes, F):
@@ -696,8 +744,9 @@ class _KernelWriter:
         lines = [f"    {name} = np.empty(({', '.join(_d(x) for x in shape3)}), dtype={_COMPUTE[dtype]})"]
         axes = b_axes + x_axes + [k]
         depth = 1
-        for j in axes:
-            lines.append("    " * depth + f"for p{j} in range({_d(F[j])}):")
+        for j in axes:  # a parallel kernel packs in parallel too (over the first axis)
+            rng = "prange" if self.k.parallel and depth == 1 else "range"
+            lines.append("    " * depth + f"for p{j} in {rng}({_d(F[j])}):")
             depth += 1
         pidx = tuple(f"p{j}" if j in axes else "0" for j in range(len(F)))
         bi = self._linear(pidx, b_axes, F)

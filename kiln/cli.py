@@ -168,7 +168,8 @@ def cmd_bench(args) -> int:
     names = list(MODELS) if args.model == "all" else [args.model]
     results = []
     for name in names:
-        r = bench(name, repeats=args.repeats, inductor=not args.no_inductor, pipeline=_pipeline(args))
+        r = bench(name, repeats=args.repeats, inductor=not args.no_inductor, pipeline=_pipeline(args),
+                  start=args.start)
         print(report(r), flush=True)
         results.append(r)
     if args.json:
@@ -283,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="write the results as JSON")
     b.add_argument("--plot", default=None, help="write a PNG bar chart")
     b.add_argument("--no-inductor", action="store_true", help="skip torch.compile (it compiles for minutes)")
+    b.add_argument("--start", action="store_true", help="also time cold and warm start: a new process loading "
+                   "the bundle, from Load to its first result, with an empty and then a filled kernel cache")
     b.set_defaults(fn=cmd_bench)
     d = sub.add_parser("demo", help="compile the example encoder and compare it with torch eager")
     d.add_argument("--repeats", type=int, default=50)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kiln.ir.graph import Graph
-from kiln.ir.kernel import (Kernel, KernelGraph, broadcasts, compose_chain, gemm_axes, gemm_dims, gemm_writes_rows,
-                             kernel_gemm, view_root)
+from kiln.ir.kernel import (Kernel, KernelGraph, broadcasts, compose_chain, flat_reads, gemm_axes, gemm_dims,
+                             gemm_writes_rows, kernel_gemm, view_root)
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import contiguous_strides, evaluate_dim, numel
 from kiln.ir.view import ViewSpec
@@ -118,28 +118,6 @@ def partition(g: Graph, fuse: bool = True, schedule: Schedule = DEFAULT_SCHEDULE
     return KernelGraph(g, tuple(kernels))
 
 
-def _flat_preserving(spec: Optional[ViewSpec], src_shape) -> bool:
-    """A view that reads its source's elements in their own order: a reshape (size-1 dims aside)."""
-    if spec is None or spec.mask is not None or spec.offset != 0 or numel(spec.shape) != numel(src_shape):
-        return False
-    want = contiguous_strides(spec.shape)
-    return all(d == 1 or st == w for d, st, w in zip(spec.shape, spec.strides, want))
-
-
-def _flat_reads(g: Graph, nodes: set[int], members: set[int]) -> bool:
-    """Every read of one of `nodes` from `members` sees its elements at their own flat positions
-    (a broadcast constant is the same everywhere)."""
-    for m in members:
-        if g.nodes[m].op is Op.VIEW:
-            continue
-        for x in g.nodes[m].inputs:
-            root, chain = view_root(g, x)
-            if root in nodes and chain and g.nodes[root].op is not Op.CONSTANT and \
-                    not _flat_preserving(compose_chain(chain), g.nodes[root].shape):
-                return False
-    return True
-
-
 def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Kernel]:
     """Attention as one kernel: a GEMM whose result only a row kernel reads (scores = Q·Kᵀ,
     with its epilogue: scale, mask), the row kernel (softmax along the keys) whose result only
@@ -184,7 +162,7 @@ def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Ker
                 continue
             if not gemm_writes_rows(g, gi) or any(u not in members for u, _ in _readers(g, users, e)):
                 continue
-            if not _flat_reads(g, {e}, members) or not _flat_reads(g, set(qk.nodes), set(qk.nodes)):
+            if not flat_reads(g, {e}, members) or not flat_reads(g, set(qk.nodes), set(qk.nodes)):
                 continue
             aligned = _aligned(g, p, members)
             if any(view_root(g, x)[0] == e and m not in aligned for m in members

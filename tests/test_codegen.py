@@ -91,14 +91,22 @@ def test_gemm_through_views_that_do_not_compose(local_pipeline):
 
 
 def test_parallel_gemm_splits_rows_and_matches(local_pipeline):
+    """A parallel GEMM splits M into blocks of rows, one per thread; its epilogue runs on each
+    block as soon as BLAS wrote it (while it is in cache, no whole C is allocated), except when
+    the epilogue reads C out of its row order (here a transpose), which waits for all of C.
+    300 rows: two blocks of 150, each in sub-blocks of 128 and 22."""
     x, w, b = torch.randn(300, 96), torch.randn(96, 80), torch.randn(80)
-    fn = lambda x: torch.relu(x @ w + b)  # noqa: E731
-    compiled = kiln.compile(Fn(fn), (x,), pipeline=local_pipeline, candidates=1)
-    gemms = [k for k in _kernel_graph(local_pipeline, compiled).kernels if k.kind == "gemm"]
-    assert len(gemms) == 1 and gemms[0].parallel
-    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
-    assert any("prange" in k.source and k.kind == "gemm" for k in bundle.kernels)
-    assert torch.allclose(compiled(x), fn(x), rtol=1e-4, atol=1e-4)
+    fns = {"rows": lambda x: torch.relu(x @ w + b),
+           "transposed": lambda x: (x @ w).t() * 2 + b[:, None] * 0 + 1}
+    for name, fn in fns.items():
+        compiled = kiln.compile(Fn(fn), (x,), pipeline=local_pipeline, candidates=1)
+        gemms = [k for k in _kernel_graph(local_pipeline, compiled).kernels if k.kind == "gemm"]
+        assert len(gemms) == 1 and gemms[0].parallel, name
+        bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+        src = [k.source for k in bundle.kernels if k.kind == "gemm"][0]
+        assert "prange" in src
+        assert ("ct = np.empty" in src) == (name == "rows"), (name, src)
+        assert torch.allclose(compiled(x), fn(x), rtol=1e-4, atol=1e-4), name
 
 
 def test_long_view_chain_with_search_off_compiles_and_matches(local_pipeline):

@@ -150,6 +150,28 @@ def gemm_writes_rows(g: Graph, gi: int) -> bool:
     return tuple(strides[j] for j in order) == contiguous_strides(tuple(F[j] for j in order))
 
 
+def flat_preserving(spec: Optional[ViewSpec], src_shape) -> bool:
+    """A view that reads its source's elements in their own order: a reshape (size-1 dims aside)."""
+    if spec is None or spec.mask is not None or spec.offset != 0 or numel(spec.shape) != numel(src_shape):
+        return False
+    want = contiguous_strides(spec.shape)
+    return all(d == 1 or st == w for d, st, w in zip(spec.shape, spec.strides, want))
+
+
+def flat_reads(g: Graph, nodes: set[int], members: set[int]) -> bool:
+    """Every read of one of `nodes` from `members` sees its elements at their own flat positions
+    (a broadcast constant is the same everywhere)."""
+    for m in members:
+        if g.nodes[m].op is Op.VIEW:
+            continue
+        for x in g.nodes[m].inputs:
+            root, chain = view_root(g, x)
+            if root in nodes and chain and g.nodes[root].op is not Op.CONSTANT and \
+                    not flat_preserving(compose_chain(chain), g.nodes[root].shape):
+                return False
+    return True
+
+
 def kernel_graph_to_pb(kg: KernelGraph, source_graph=None):
     from kiln.ir.serialize import graph_to_pb
     from kiln.v1 import ir_pb2
