@@ -35,6 +35,7 @@ EPILOGUE_ROWS = 128  # rows of C a GEMM's epilogue works on at a time, right aft
 GEMM_MIN_ROWS = 128  # rows per block of a GEMM split across the pool
 GEMM_MAX_CHUNKS = 64
 ONLINE_SOFTMAX_MIN_ROW = 4096  # f32 rows up to this long (16 KB) take a softmax in two loops
+FASTMATH = "{'reassoc', 'contract'}"  # numba's LLVM flags for every kernel, see _KernelWriter.emit
 ATTENTION_TILE = 64  # query rows an attention kernel works at a time (scores and probabilities stay in cache)
 
 # buffer element types; f16 and bf16 are stored as their 16-bit words (numba has no
@@ -407,7 +408,10 @@ class _KernelWriter:
                 "gather": self.emit_gather, "scatter": self.emit_scatter, "row": self.emit_row,
                 "attention": self.emit_attention}[kind]()
         par = "True" if self.k.parallel else "False"
-        head = f"@njit(cache=True, parallel={par}, error_model='numpy', nogil=True, fastmath={{'reassoc', 'contract'}})\n"
+        # fastmath: reassociation lets LLVM vectorize sums (their order changes, as torch's own
+        # vectorized sums do) and contraction fuses multiply-adds; no nnan/ninf, so NaN and inf
+        # keep their meaning (the NaN tests, the masked rows' -inf)
+        head = f"@njit(cache=True, parallel={par}, error_model='numpy', nogil=True, fastmath={FASTMATH})\n"
         return head + f"def {KERNEL_PLACEHOLDER}({self.signature()}):\n" + "\n".join(body) + "\n"
 
     def emit_elementwise(self):

@@ -271,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("digest")
     sh.set_defaults(fn=cmd_show)
     pr = sub.add_parser("profile", help="time each kernel of a bundle, or of a model compiled first")
-    pr.add_argument("model", help="a .pt2 file, a Hugging Face directory, a kiln bench model name, or a bundle digest (with --manifest)")
+    pr.add_argument("model", help="a .pt2 file, a Hugging Face directory, a kiln bench model name, or a bundle "
+                    "digest (with --manifest)")
     pr.add_argument("--manifest", default=None, help="the weight manifest digest, for a bundle digest")
     pr.add_argument("--repeats", type=int, default=20)
     pr.add_argument("--top", type=int, default=1 << 30, help="show only the N slowest kernels")
