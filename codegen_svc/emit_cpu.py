@@ -870,13 +870,15 @@ def graph_symbols(g: Graph) -> list[str]:
 
 def emit_cpu(kg: KernelGraph) -> CpuProgram:
     g = kg.graph
+    plan = plan_memory(kg)
     kernels = []
-    for k in kg.kernels:
+    for t, k in enumerate(kg.kernels):
+        if t in plan.skipped:  # a copy into an output that its producer now writes directly
+            continue
         with span("codegen.kernel", **{"kiln.kernel": k.name, "kiln.kind": k.kind}):
             consts: dict = {}
             symbol, text = kernel_module(_KernelWriter(kg, k, consts).emit(), consts)
             kernels.append(EmittedKernel(k.name, k.kind, text, symbol))
-    plan = plan_memory(kg)
     imports = "\n".join(sorted({f"from {k.module} import {k.symbol}" for k in kernels}))
     module = HEADER + imports + "\n\n\n" + _emit_entry(kg, plan, [k.symbol for k in kernels])
     outputs = tuple(TensorSpec(name or f"out{i}", g.nodes[o].shape, g.nodes[o].dtype)
@@ -915,7 +917,10 @@ def _emit_entry(kg: KernelGraph, plan: MemoryPlan, symbols: list[str]) -> str:
     for i, s in plan.node_slot.items():
         buf[i] = f"s{s}"
     buf.update(out_buf)
-    for k, symbol in zip(kg.kernels, symbols):
+    for root, o in plan.aliases.items():
+        buf[root] = out_buf[o]
+    run = [k for t, k in enumerate(kg.kernels) if t not in plan.skipped]
+    for k, symbol in zip(run, symbols):
         lines.append(f"    {symbol}({', '.join([buf[k.output]] + [buf[j] for j in k.reads] + syms)})  # {k.name}")
     rets = []
     for o in g.outputs:

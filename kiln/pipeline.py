@@ -37,7 +37,7 @@ def default_candidates() -> int:
 
 
 CHOOSE_REPEATS = 20
-CHOOSE_VERSION = "choose-1"
+CHOOSE_VERSION = "choose-2"
 
 
 @dataclass
@@ -222,13 +222,14 @@ class Pipeline:
         fingerprint = (self.store.get_message(target_profile, services_pb2.TargetProfile).fingerprint
                        if target_profile is not None else "")
         kgs = [Digest.from_pb(c.kernel_graph) for c in report.candidates]
-        key = cache.action_key("choose", CHOOSE_VERSION, {f"candidate{i}": d for i, d in enumerate(kgs)},
+        # keyed by the emitted bundles: new generated code is timed again (emit is cached)
+        bundles = [self.emit(d, target)[0] for d in kgs]
+        key = cache.action_key("choose", CHOOSE_VERSION, {f"candidate{i}": d for i, d in enumerate(bundles)},
                                {"target": target, "fingerprint": fingerprint})
         hit = cache.lookup(self.store, key)
         if hit is not None:
             return hit["kernel_graph"], self.store.get_message(hit["report"], services_pb2.OptimizeReport)
         with span("kiln.choose", **{"kiln.candidates": len(kgs)}) as s:
-            bundles = [self.emit(d, target)[0] for d in kgs]
             timings = self.profile(bundles, manifest, repeats=CHOOSE_REPEATS)
             best = min(range(len(kgs)), key=lambda i: timings[i][1])
             s.set_attribute("kiln.chosen", best)

@@ -17,8 +17,12 @@ import math
 from dataclasses import dataclass
 
 from kiln.ir.kernel import KernelGraph, gemm_axes, gemm_dims, kernel_gemm
+from kiln.ir.ops import Op
 from kiln.ir.shape import evaluate_dim, numel
 from kiln.v1 import services_pb2
+
+
+FREE = (Op.VIEW, Op.CONSTANT, Op.INPUT, Op.WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,14 @@ def _gemm_seconds(g, gi: int, env, profile: services_pb2.TargetProfile, pool: in
     return 2.0 * batch * m * n * kk / (gemm_rate(profile, m, n, kk) * 1e9 * pool)
 
 
+def _ops(g, k) -> int:
+    """The kernel's elementwise and reduction ops, each a unit of work per element: views and
+    constants cost nothing, and a GEMM's Mul and SumReduce are in its GEMM time."""
+    gemms = [kernel_gemm(g, k)] if k.kind == "gemm" else [k.scores, k.output] if k.kind == "attention" else []
+    inside_gemm = {j for gi in gemms for j in (gi, g.nodes[gi].inputs[0])}
+    return sum(1 for j in k.nodes if j not in inside_gemm and g.nodes[j].op not in FREE)
+
+
 def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[KernelCost]:
     g = kg.graph
     env = {name: hi for name, _, hi in g.symbols}
@@ -61,15 +73,17 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
         moved = (elems(k.output) * g.nodes[k.output].dtype.itemsize
                  + sum(elems(j) * g.nodes[j].dtype.itemsize for j in k.reads))
         pool = threads if k.parallel else 1
+        ops = _ops(g, k)
         if k.kind == "gemm":
-            compute = _gemm_seconds(g, kernel_gemm(g, k), env, profile, pool)
+            gi = kernel_gemm(g, k)
+            compute = _gemm_seconds(g, gi, env, profile, pool) + elems(k.output) * ops / (rate * share)
         elif k.kind == "attention":  # two GEMMs and, per score, the softmax's elementwise work
             p = gemm_axes(g, k.output).a_root
             compute = (_gemm_seconds(g, k.scores, env, profile, pool) + _gemm_seconds(g, k.output, env, profile, pool)
-                       + elems(p) * max(1, len(k.nodes)) / (rate * share))
+                       + elems(p) * max(1, ops) / (rate * share))
         else:
             work = elems(g.nodes[k.output].inputs[0]) if k.kind == "reduce" else elems(k.output)
-            compute = work * max(1, len(k.nodes)) / (rate * share)
+            compute = work * max(1, ops) / (rate * share)
         memory = moved / (bw * share)
         body = max(compute, memory)
         bound = "overhead" if overhead > body else ("compute" if compute >= memory else "memory")

@@ -85,8 +85,9 @@ def partition(g: Graph, fuse: bool = True, schedule: Schedule = DEFAULT_SCHEDULE
                 materialize[i] = True
             else:
                 readers = _readers(g, users, i)
-                roots = {root_of[u] for u, _ in readers}
-                if len(roots) != 1 or any(bcast for _, bcast in readers):
+                # an output view (read as a buffer, like a broadcast) has no kernel of its own
+                roots = set() if any(bcast for _, bcast in readers) else {root_of[u] for u, _ in readers}
+                if len(roots) != 1:
                     materialize[i] = True
                 else:
                     root_of[i] = roots.pop()

@@ -317,3 +317,23 @@ def test_exp2_is_a_vectorizable_polynomial_within_3e_7(local_pipeline):
     tail = got[200_001:].tolist()
     assert tail[0] == float("inf") and tail[1] == 0.0 and tail[2] != tail[2] and tail[3] == float("inf")
     assert tail[4] < 1.2e-38 and tail[5] == 0.0
+
+
+def test_output_reshaping_an_intermediate_is_written_in_place(local_pipeline):
+    """An output that only reshapes an intermediate (a model's final `view`) is no copy: its
+    producer writes into the output's buffer. A second output reshaping the same intermediate
+    still gets its own copy, and both match torch."""
+    x, w = torch.randn(6, 20), torch.randn(20, 40)
+
+    def fn(x):
+        y = torch.relu(x @ w)
+        return y.reshape(6, 5, 8), y.reshape(3, 80) * 1.0
+
+    compiled = kiln.compile(Fn(fn), (x,), pipeline=local_pipeline, candidates=1)
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+    kinds = [k.kind for k in bundle.kernels]
+    assert kinds.count("gemm") == 1 and kinds.count("elementwise") == 1, kinds  # one copy left, not two
+    calls = [line.strip() for line in bundle.module_source.splitlines() if "_gemm" in line and "(" in line]
+    assert calls and calls[0].split("(")[1].startswith("o"), calls  # the GEMM writes an output buffer
+    for got, ref in zip(compiled(x), fn(x)):
+        assert got.shape == ref.shape and torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
