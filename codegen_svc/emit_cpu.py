@@ -623,56 +623,53 @@ class _KernelWriter:
         F, Bt, Mt, Nt, K = gemm_dims(self.g, gi)
         k = r.axis
         lines = []
-        la, a_at, a_rows = self._operand("A", "A", gm.a_node, gm.a_root, gm.a_spec, b_axes, m_axes, k, F, Bt, Mt,
-                                         K, r.dtype)
+        a_args = (gm.a_node, gm.a_root, gm.a_spec, b_axes, m_axes, k, F, Bt, Mt, K, r.dtype)
+        a_view = self._operand_view("A", "A", *a_args[1:])
+        # a single matrix whose A needs a copy packs it a block of rows at a time, in the block loop
+        pack_rows = a_view is None and Bt == 1
+        la, a_at, a_rows = (([], "at", True) if pack_rows else a_view if a_view is not None
+                            else self._operand("A", "A", *a_args))
         lb, b_at, _ = self._operand("B", "B", gm.b_node, gm.b_root, gm.b_spec, b_axes, n_axes, k, F, Bt, Nt, K,
                                     r.dtype)
         lines += la + lb
         direct = gemm_writes_rows(self.g, gi) and not r.dtype.is_half and gi == self.k.output
+        out = self.g.nodes[self.k.output]
+        blocked = Bt == 1 and a_rows and (self.k.parallel or pack_rows)
+        rows = self._epilogue_rows(gi, Nt) if blocked and not direct else None
         if direct:
             lines.append(f"    C = out[0:{_d(numel(r.shape))}].reshape(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}))")
-        else:
+        elif rows is None:  # else no whole C: each block of rows has its own
             lines.append(f"    C = np.empty(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}), dtype={_COMPUTE[r.dtype]})")
-        out = self.g.nodes[self.k.output]
-        rows = self._epilogue_rows(gi, Nt) if self.k.parallel and Bt == 1 and a_rows and not direct else None
-        if rows is not None:
-            lines.pop()  # no whole C: each thread keeps one block of rows
-        if self.k.parallel and Bt == 1 and a_rows:
+        if blocked:
             # split M across the pool: each thread multiplies a block of A's rows (BLAS runs
             # single-threaded beside numba's pool, see executor.single_threaded_blas)
             # blocks of at least GEMM_MIN_ROWS rows: smaller blocks make BLAS calls inefficient
             # (a 512x384x1536 GEMM on 2 threads: 4.0 ms in 2 blocks, 4.2 in 4, 6.1 in 16). The
             # pool's size is not asked for: numba cannot cache a kernel that asks it
-            lines += [f"    nc = max(1, min({_d(Mt)} // {GEMM_MIN_ROWS}, {GEMM_MAX_CHUNKS}))",
-                      "    for c in prange(nc):",
+            nc = f"max(1, min({_d(Mt)} // {GEMM_MIN_ROWS}, {GEMM_MAX_CHUNKS}))" if self.k.parallel else "1"
+            lines += [f"    nc = {nc}",
+                      f"    for c in {'prange' if self.k.parallel else 'range'}(nc):",
                       f"        lo = c * {_d(Mt)} // nc",
                       f"        hi = (c + 1) * {_d(Mt)} // nc"]
-            if rows is None:
+            if rows is None and not pack_rows:
                 lines.append(f"        np.dot({a_at.format(bi='0')}[lo:hi], {b_at.format(bi='0')}, C[0][lo:hi])")
             else:
-                # the epilogue runs on each block of C's rows right after BLAS wrote it, while
-                # the block is still in cache, a sub-block of EPILOGUE_ROWS rows at a time
-                lines += [f"        ct = np.empty(({EPILOGUE_ROWS}, {_d(Nt)}), dtype={_COMPUTE[r.dtype]})",
-                          "        Cf = ct.reshape(-1)",
-                          f"        for s0 in range(lo, hi, {EPILOGUE_ROWS}):",
-                          f"            s1 = min(s0 + {EPILOGUE_ROWS}, hi)",
-                          f"            np.dot({a_at.format(bi='0')}[s0:s1], {b_at.format(bi='0')}, ct[0:s1 - s0])",
-                          "            for m in range(s0, s1):"]
-                self.gemm_value = (gi, F, b_axes, m_axes, n_axes, None)
-                self.gemm_flat = "Cf"
-                self.gemm_base = f" - s0*{_d(Nt)}"  # the block's first row is ct's row 0
-                pad = " " * 16
-                lead, idx = rows
-                for j, e in zip(lead, self.unravel("m", tuple(out.shape[j] for j in lead))):
-                    if e != "0":
-                        lines.append(pad + f"i{j} = {e}")
-                for j in range(len(lead), len(out.shape)):
-                    if out.shape[j] != 1:
-                        lines.append(pad + f"for i{j} in range({_d(out.shape[j])}):")
-                        pad += "    "
-                lines += self.statement(pad, lambda: _at("out", self.flat(out.shape, idx)) + " = "
-                                        f"{self.store(out.dtype, self.value(self.k.output, tuple(idx)))}")
-                return lines
+                # sub-blocks of EPILOGUE_ROWS rows: A's rows packed just before BLAS reads them,
+                # the epilogue run on C's rows right after BLAS wrote them, both while in cache
+                if pack_rows:
+                    lines.append(f"        at = np.empty(({EPILOGUE_ROWS}, {_d(K)}), dtype={_COMPUTE[r.dtype]})")
+                if rows is not None:
+                    lines += [f"        ct = np.empty(({EPILOGUE_ROWS}, {_d(Nt)}), dtype={_COMPUTE[r.dtype]})",
+                              "        Cf = ct.reshape(-1)"]
+                lines += [f"        for s0 in range(lo, hi, {EPILOGUE_ROWS}):",
+                          f"            s1 = min(s0 + {EPILOGUE_ROWS}, hi)"]
+                if pack_rows:
+                    lines += self._pack_rows(gm.a_node, m_axes, k, F, K)
+                a_blk = "at[0:s1 - s0]" if pack_rows else f"{a_at.format(bi='0')}[s0:s1]"
+                c_blk = "ct[0:s1 - s0]" if rows is not None else "C[0][s0:s1]"
+                lines.append(f"            np.dot({a_blk}, {b_at.format(bi='0')}, {c_blk})")
+                if rows is not None:
+                    return lines + self._epilogue_block(gi, F, b_axes, m_axes, n_axes, Nt, rows)
         else:
             rng = "prange" if self.k.parallel else "range"
             lines += [f"    for bi in {rng}({_d(Bt)}):",
@@ -690,6 +687,38 @@ class _KernelWriter:
         lines += self.statement("    " * depth, lambda: _at("out", self.flat(out.shape, idx)) + " = "
                                 f"{self.store(out.dtype, self.value(self.k.output, tuple(idx)))}")
         return lines
+
+    def _epilogue_block(self, gi, F, b_axes, m_axes, n_axes, Nt, rows) -> list[str]:
+        """The epilogue over C's rows s0..s1, which BLAS just wrote into the block `ct`."""
+        out = self.g.nodes[self.k.output]
+        lines = ["            for m in range(s0, s1):"]
+        self.gemm_value = (gi, F, b_axes, m_axes, n_axes, None)
+        self.gemm_flat = "Cf"
+        self.gemm_base = f" - s0*{_d(Nt)}"  # the block's first row is ct's row 0
+        pad = " " * 16
+        lead, idx = rows
+        for j, e in zip(lead, self.unravel("m", tuple(out.shape[j] for j in lead))):
+            if e != "0":
+                lines.append(pad + f"i{j} = {e}")
+        for j in range(len(lead), len(out.shape)):
+            if out.shape[j] != 1:
+                lines.append(pad + f"for i{j} in range({_d(out.shape[j])}):")
+                pad += "    "
+        return lines + self.statement(pad, lambda: _at("out", self.flat(out.shape, idx)) + " = "
+                                      f"{self.store(out.dtype, self.value(self.k.output, tuple(idx)))}")
+
+    def _pack_rows(self, node, m_axes, k, F, K) -> list[str]:
+        """Copy A's rows s0..s1 into the block `at`, each element read through A's views."""
+        pad = " " * 16
+        lines = ["            for mm in range(s0, s1):"]
+        pidx = ["0"] * len(F)
+        for j, e in zip(m_axes, self.unravel("mm", tuple(F[j] for j in m_axes))):
+            if e != "0":
+                lines.append(pad + f"p{j} = {e}")
+                pidx[j] = f"p{j}"
+        pidx[k] = f"p{k}"
+        lines.append(pad + f"for p{k} in range({_d(K)}):")
+        return lines + self.statement(pad + "    ", lambda: f"at[mm - s0, np.uint64(p{k})] = {self.value(node, tuple(pidx))}")
 
     def _epilogue_rows(self, gi: int, Nt):
         """When the epilogue can run on a block of C's rows as soon as BLAS wrote them: the
@@ -716,13 +745,9 @@ class _KernelWriter:
         st = contiguous_strides(tuple(F[j] for j in axes))
         return _sum([_scaled(idx[j], s) for j, s in zip(axes, st)])
 
-    def _operand(self, name, role, node, root, spec: Optional[ViewSpec], b_axes, x_axes, k, F, Bt, Xt, K, dtype):
-        """Lines binding the operand (role A or B) to the 3-d array `name`; the 2-d matrix
-        expression for batch `{bi}` (A: [X, K], B: [K, X]); and whether its rows are
-        C-contiguous (so a block of rows is a matrix BLAS takes). A transposed operand is a C
-        array's `.T` (F-contiguous, which BLAS takes directly). Packs a copy only when the
-        strides allow no view, or the views do not compose or pad (or spec is None): the copy
-        then reads each element through the views."""
+    def _operand_view(self, name, role, root, spec: Optional[ViewSpec], b_axes, x_axes, k, F, Bt, Xt, K, dtype):
+        """_operand's lines, matrix and row flag when the operand is a view BLAS takes as it is
+        (strides [batch, X, K] or [batch, K, X], contiguous); else None."""
         if spec is not None and not dtype.is_half:  # BLAS takes f32; 16-bit floats widen into a copy
             buf = self.reads[root]
             st = spec.strides
@@ -743,6 +768,18 @@ class _KernelWriter:
                 dims = (K, Xt) if role == "A" else (Xt, K)
                 return ([f"    {name} = {span_}.reshape(({_d(Bt)}, {_d(dims[0])}, {_d(dims[1])}))"],
                         f"{name}[{{bi}}].T", False)
+        return None
+
+    def _operand(self, name, role, node, root, spec: Optional[ViewSpec], b_axes, x_axes, k, F, Bt, Xt, K, dtype):
+        """Lines binding the operand (role A or B) to the 3-d array `name`; the 2-d matrix
+        expression for batch `{bi}` (A: [X, K], B: [K, X]); and whether its rows are
+        C-contiguous (so a block of rows is a matrix BLAS takes). A transposed operand is a C
+        array's `.T` (F-contiguous, which BLAS takes directly). Packs a copy only when the
+        strides allow no view, or the views do not compose or pad (or spec is None): the copy
+        then reads each element through the views."""
+        view = self._operand_view(name, role, root, spec, b_axes, x_axes, k, F, Bt, Xt, K, dtype)
+        if view is not None:
+            return view
         # pack: loop over the operand's own axes (the other operand's are 0) and copy
         shape3 = (Bt, Xt, K) if role == "A" else (Bt, K, Xt)
         lines = [f"    {name} = np.empty(({', '.join(_d(x) for x in shape3)}), dtype={_COMPUTE[dtype]})"]
