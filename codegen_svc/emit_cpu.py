@@ -31,9 +31,9 @@ from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, compose_cha
                              gemm_dims, gemm_writes_rows, kernel_gemm, name_kernel, view_root)
 from codegen_svc.memory import MemoryPlan, plan_memory
 
-EPILOGUE_ROWS = 128  # rows of C a GEMM's epilogue works on at a time, right after BLAS wrote them
-GEMM_MIN_ROWS = 128  # rows per block of a GEMM split across the pool
-GEMM_MAX_CHUNKS = 64
+EPILOGUE_ROWS = 256  # rows of C a GEMM's epilogue works on at a time, right after BLAS wrote them
+GEMM_MIN_ROWS = 64  # the fewest rows per block of a GEMM split across the pool
+THREADS_ARG = "nthreads"  # the pool's size: every kernel's and the entry's last argument
 ONLINE_SOFTMAX_MIN_ROW = 4096  # f32 rows up to this long (16 KB) take a softmax in two loops
 FASTMATH = "{'reassoc', 'contract'}"  # numba's LLVM flags for every kernel, see _KernelWriter.emit
 ATTENTION_TILE = 64  # query rows an attention kernel works at a time (scores and probabilities stay in cache)
@@ -396,7 +396,7 @@ class _KernelWriter:
         return lines, idx, depth
 
     def signature(self) -> str:
-        return ", ".join(["out"] + [self.reads[j] for j in self.k.reads] + self.symbols())
+        return ", ".join(["out"] + [self.reads[j] for j in self.k.reads] + self.symbols() + [THREADS_ARG])
 
     def symbols(self) -> list[str]:
         return [SYMBOL_PREFIX + s for s in graph_symbols(self.g)]
@@ -641,12 +641,12 @@ class _KernelWriter:
         elif rows is None:  # else no whole C: each block of rows has its own
             lines.append(f"    C = np.empty(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}), dtype={_COMPUTE[r.dtype]})")
         if blocked:
-            # split M across the pool: each thread multiplies a block of A's rows (BLAS runs
-            # single-threaded beside numba's pool, see executor.single_threaded_blas)
-            # blocks of at least GEMM_MIN_ROWS rows: smaller blocks make BLAS calls inefficient
-            # (a 512x384x1536 GEMM on 2 threads: 4.0 ms in 2 blocks, 4.2 in 4, 6.1 in 16). The
-            # pool's size is not asked for: numba cannot cache a kernel that asks it
-            nc = f"max(1, min({_d(Mt)} // {GEMM_MIN_ROWS}, {GEMM_MAX_CHUNKS}))" if self.k.parallel else "1"
+            # split M across the pool: one block of A's rows per thread (BLAS runs single-threaded
+            # beside numba's pool, see executor.single_threaded_blas). More blocks than threads
+            # cost: each BLAS call packs all of B again (BERT's 512x384x1536 GEMM and GELU on 2
+            # threads: 3.5 ms in 2 blocks, 3.85 in 4). The pool's size is an argument: numba
+            # cannot cache a kernel that asks for it
+            nc = f"max(1, min({THREADS_ARG}, {_d(Mt)} // {GEMM_MIN_ROWS}))" if self.k.parallel else "1"
             lines += [f"    nc = {nc}",
                       f"    for c in {'prange' if self.k.parallel else 'range'}(nc):",
                       f"        lo = c * {_d(Mt)} // nc",
@@ -938,7 +938,7 @@ def _emit_entry(kg: KernelGraph, plan: MemoryPlan, symbols: list[str]) -> str:
     missing = set(syms) - {s for s, _, _ in g.symbols}
     if missing:
         raise FailedPrecondition(f"graph uses symbols {sorted(missing)} that its inputs do not define")
-    syms = [SYMBOL_PREFIX + s for s in syms]
+    syms = [SYMBOL_PREFIX + s for s in syms] + [THREADS_ARG]  # passed on to every kernel
     lines = ["@njit(cache=True, nogil=True)", f"def run_graph({', '.join(args + syms)}):"]
     # bind symbolic dims from the input shapes
     for slot in plan.slots:

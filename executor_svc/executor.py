@@ -117,6 +117,13 @@ def single_threaded_blas() -> None:
         _blas_limited = True
 
 
+def pool_threads() -> np.int64:
+    """numba's pool size, the entry's last argument (GEMMs split their rows by it)."""
+    import numba
+
+    return np.int64(numba.get_num_threads())
+
+
 @dataclass
 class Session:
     id: str
@@ -190,7 +197,7 @@ class Executor:
         with child_span("executor.run", **{"kiln.session": sid, "kiln.bundle": str(s.bundle)}):
             with s.lock:  # buffers in the entry are per call, but numba's first call compiles
                 try:
-                    outs = s.entry(*args, *s.weights, *sym_args)
+                    outs = s.entry(*args, *s.weights, *sym_args, pool_threads())
                 except IndexError as e:  # raised by generated Gather/Scatter bounds checks
                     raise InvalidArgument(f"an input holds an out-of-range index: {e}") from e
         return [(spec.name, np.asarray(o).view(spec.dtype.numpy).reshape(tuple(evaluate_dim(d, env) for d in spec.shape)))

@@ -20,7 +20,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from executor_svc.executor import Session, check_inputs, random_inputs
+from executor_svc.executor import Session, check_inputs, pool_threads, random_inputs
 from kiln.errors import InvalidArgument
 
 
@@ -39,7 +39,7 @@ def kernel_times(session: Session, bundle, repeats: int = 20, symbols: Optional[
         raise InvalidArgument(f"repeats must be in 1..10000, got {repeats}")
     env = {name: int((symbols or {}).get(name, hi)) for name, _, hi in session.symbols}
     args, env = check_inputs(session.inputs, random_inputs(session.inputs, env), session.symbols)
-    call_args = [*args, *session.weights, *[np.int64(env[name]) for name, _, _ in session.symbols]]
+    call_args = [*args, *session.weights, *[np.int64(env[name]) for name, _, _ in session.symbols], pool_threads()]
     calls: list[float] = []
 
     def timed(kernel):

@@ -94,8 +94,8 @@ def test_parallel_gemm_splits_rows_and_matches(local_pipeline):
     """A parallel GEMM splits M into blocks of rows, one per thread; its epilogue runs on each
     block as soon as BLAS wrote it (while it is in cache, no whole C is allocated), except when
     the epilogue reads C out of its row order (here a transpose), which waits for all of C.
-    300 rows: two blocks of 150, each in sub-blocks of 128 and 22."""
-    x, w, b = torch.randn(300, 96), torch.randn(96, 80), torch.randn(80)
+    600 rows on two threads: two blocks of 300, each in sub-blocks of 256 and 44."""
+    x, w, b = torch.randn(600, 96), torch.randn(96, 80), torch.randn(80)
     fns = {"rows": lambda x: torch.relu(x @ w + b),
            "transposed": lambda x: (x @ w).t() * 2 + b[:, None] * 0 + 1}
     for name, fn in fns.items():
