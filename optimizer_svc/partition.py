@@ -47,7 +47,10 @@ DEFAULT_SCHEDULE = Schedule()
 # (attention fusion needs row kernels: without them there is no softmax kernel to fuse)
 SCHEDULE_GRID = tuple(Schedule(pe, pm, bm, ep, rows, attn) for rows, attn in ((True, True), (True, False), (False, False))
                       for ep in (True, False) for bm in (0, 1 << 16) for pe in (1 << 15, 1 << 13, NEVER)
-                      for pm in (1 << 18, 1 << 16, NEVER))
+                      for pm in (1 << 20, 1 << 18, NEVER))
+# no GEMM under 2^18 multiply-adds (~15 us of one thread's BLAS) is split: waking the pool
+# costs more when it slept or another runtime's threads hold the cores (a tiny Llama at
+# seq 1, entry right after a torch call: 190 us with its one parallel GEMV, 41 us alone)
 
 
 def partition(g: Graph, fuse: bool = True, schedule: Schedule = DEFAULT_SCHEDULE) -> KernelGraph:
