@@ -718,7 +718,8 @@ class _KernelWriter:
                 pidx[j] = f"p{j}"
         pidx[k] = f"p{k}"
         lines.append(pad + f"for p{k} in range({_d(K)}):")
-        return lines + self.statement(pad + "    ", lambda: f"at[mm - s0, np.uint64(p{k})] = {self.value(node, tuple(pidx))}")
+        return lines + self.statement(pad + "    ",
+                                      lambda: f"at[mm - s0, np.uint64(p{k})] = {self.value(node, tuple(pidx))}")
 
     def _epilogue_rows(self, gi: int, Nt):
         """When the epilogue can run on a block of C's rows as soon as BLAS wrote them: the

@@ -55,7 +55,8 @@ def output_aliases(kg: KernelGraph) -> dict[int, tuple[int, int]]:
             continue
         root, chain = view_root(g, o)
         r = g.nodes[root]
-        if root != k.reads[0] or root not in made or root in outputs or root in taken or r.dtype is not g.nodes[o].dtype:
+        if root != k.reads[0] or root not in made or root in outputs or root in taken or \
+                r.dtype is not g.nodes[o].dtype:
             continue
         if any(g.nodes[j].op is not Op.VIEW for j in k.nodes if j != root) or \
                 not flat_preserving(compose_chain(chain), r.shape):

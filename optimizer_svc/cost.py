@@ -7,8 +7,9 @@ work) at the GFLOP/s that Calibrate measured for the nearest shape class (by log
 single-row GEMM uses the GEMV class), one thread's rate, times the pool's threads when the GEMM
 is parallel; every kernel moves its output and the buffers it reads once
 at the measured bandwidth, and elementwise work runs at the measured elementwise rate (both
-measured with the whole pool: a serial kernel gets one thread's share). Symbolic dims take
-their largest binding.
+measured with the whole pool: a serial kernel gets one thread's share), one unit per element
+for each elementwise or reduction op (views and constants are free; a GEMM's epilogue counts,
+its Mul and SumReduce are its GEMM time). Symbolic dims take their largest binding.
 """
 
 from __future__ import annotations
