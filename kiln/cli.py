@@ -189,25 +189,25 @@ def cmd_profile(args) -> int:
     if p.remote:
         print("kiln profile: times kernels in this process; unset the service addresses", file=sys.stderr)
         return 2
-    path = Path(args.model)
     from kiln import bench
 
+    path = Path(args.model)
+    program = None
     if args.model in bench.MODELS and not path.exists():  # a benchmark model, built with random weights
         import torch
 
-        module, example = bench.build(args.model)
-        r = p.compile_program(p.upload_program(torch.export.export(module, example)))
-        bundle_d, manifest_d = r.bundle, r.manifest
+        program = p.upload_program(torch.export.export(*bench.build(args.model)))
     elif path.exists():
         from kiln.hf import is_hf_directory
 
         program = p.upload_program(_load_model(args)) if is_hf_directory(path) else p.store.put(path.read_bytes())
+    elif not args.manifest:
+        print("kiln profile: a bundle digest needs --manifest", file=sys.stderr)
+        return 2
+    if program is not None:
         r = p.compile_program(program)
         bundle_d, manifest_d = r.bundle, r.manifest
     else:
-        if not args.manifest:
-            print("kiln profile: a bundle digest needs --manifest", file=sys.stderr)
-            return 2
         bundle_d, manifest_d = Digest.parse(args.model), Digest.parse(args.manifest)
     ex = p._local_executor()
     session = ex.open(bundle_d, manifest_d)
