@@ -2,8 +2,9 @@
 
 A node is materialized (gets a buffer) when it is a leaf, an output, a reduction, a data op,
 read by several nodes, read through a broadcasting view, or read by a GEMM or data op;
-everything else is inlined into its single consumer's loop nest. A SumReduce of a broadcast
-Mul whose operands are views of buffers along disjoint broadcast axes is a GEMM kernel.
+everything else is inlined into its single consumer's loop nest. A SumReduce the search chose
+to compute by a GEMM (`Node.kernel`, rules/matmul.py) is a GEMM kernel when its Mul's operands
+are views of buffers along disjoint broadcast axes (gemm_axes).
 
 A Schedule holds the choices beyond that: which GEMMs call BLAS and which stay generated
 loops (a fused reduction), and which loops run on the parallel pool. The optimizer ranks the
@@ -69,7 +70,7 @@ def partition(g: Graph, fuse: bool = True, schedule: Schedule = DEFAULT_SCHEDULE
         if op in (Op.GATHER, Op.SCATTER):
             for j in node.inputs:
                 materialize[view_root(g, j)[0]] = True
-        if op is Op.SUM_REDUCE and fuse:
+        if op is Op.SUM_REDUCE and fuse and node.kernel in ("gemm", "attention"):  # the search's choice
             ga = gemm_axes(g, i)
             macs = evaluate_dim(numel(g.nodes[node.inputs[0]].shape), largest)
             if ga is not None and len(users[node.inputs[0]]) == 1 and macs >= schedule.blas_min_macs:
@@ -145,7 +146,7 @@ def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Ker
         if len(readers) != 1:  # the GEMM's Mul, through the view that broadcasts P along N
             continue
         mul = readers[0][0]
-        pv = next((k for k in kernels if k.kind == "gemm" and g.nodes[k.output].op is Op.SUM_REDUCE
+        pv = next((k for k in kernels if k.kind == "gemm" and g.nodes[k.output].kernel == "attention"
                    and g.nodes[k.output].inputs[0] == mul and k.output not in gone), None)
         if pv is None or not gemm_writes_rows(g, pv.output):
             continue
@@ -240,8 +241,8 @@ def _fuse_rows(g: Graph, users, outputs, gemms, materialize) -> dict[int, int]:
             continue
         S = tuple(node.shape)
         members = set(_collect(g, root, materialize)[0])
-        if any(j in gemms for j in members):
-            continue
+        if any(j in gemms for j in members) or not any(g.nodes[j].kernel == "row" for j in members):
+            continue  # only rows the search chose (rules/norms.py)
         axis = None
         grew = True
         while grew:

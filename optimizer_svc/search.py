@@ -20,20 +20,26 @@ from egglog.pretty import pretty_decl
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph
+from kiln.ir.kernel import flat_preserving
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import evaluate_dim, numel
 from kiln.ir.view import ViewSpec, compose
 from kiln.telemetry import span
 from optimizer_svc.rules.algebra import algebra
+from optimizer_svc.partition import row_broadcast_axis
+from optimizer_svc.rules.attention import attention
+from optimizer_svc.rules.matmul import is_gemm_layout, matmul
+from optimizer_svc.rules.norms import layer_norm_primitives, norms, rms_norm_primitives, softmax_primitives
 from optimizer_svc.rules.reductions import reductions
 from optimizer_svc.rules.views import views
-from optimizer_svc.terms import Term, compose_views, plain_view, reduce_view
+from optimizer_svc.terms import Term, compose_views, gemm_layout, plain_view, reduce_view, row_bcast
 
 _UNARY = {Op.EXP2: Term.exp2, Op.LOG2: Term.log2, Op.SIN: Term.sin, Op.SQRT: Term.sqrt, Op.RECIP: Term.recip}
 _BINARY = {Op.ADD: Term.add, Op.MUL: Term.mul, Op.MOD: Term.mod, Op.LESS_THAN: Term.less_than}
 _BY_NAME = {"Term." + n: n for n in ("input", "weight", "const", "view", "exp2", "log2", "sin", "sqrt", "recip",
                                       "add", "mul", "mod", "less_than", "where", "sum_reduce", "max_reduce",
-                                      "iota", "gather", "scatter", "cast", "output")}
+                                      "iota", "gather", "scatter", "cast", "gemm", "softmax", "rms_norm",
+                                      "layer_norm", "attention", "output")}
 
 
 @dataclass
@@ -67,6 +73,7 @@ class _Encoder:
         self.specs: dict[str, ViewSpec] = {}
         self.shapes: dict[str, tuple] = {}
         self.composed: set[tuple[str, str]] = set()
+        self.gemm_checked: set[tuple[str, str, int]] = set()
         self.pending: list[str] = []  # specs whose tables are not yet in the e-graph
 
     def spec_key(self, v: ViewSpec) -> str:
@@ -78,7 +85,8 @@ class _Encoder:
 
     def flush_tables(self, eg: EGraph) -> bool:
         """Enter the Python-computed facts of new specs: plain_view for views without a mask,
-        reduce_view for broadcast scalars. True when anything was added."""
+        row_bcast for views that read a row value back along its axis, reduce_view for
+        broadcast scalars. True when anything was added."""
         added = False
         while self.pending:
             k = self.pending.pop()
@@ -86,6 +94,12 @@ class _Encoder:
             if v.mask is None:
                 eg.register(plain_view(String(k)))
                 added = True
+            for axis, (d, st) in enumerate(zip(v.shape, v.strides)):
+                src = tuple(1 if j == axis else x for j, x in enumerate(v.shape))
+                # along an axis of size 1: a view that reads its source in order
+                if (row_broadcast_axis(v, src) == axis if d != 1 else flat_preserving(v, src)):
+                    eg.register(row_bcast(String(k), axis))
+                    added = True
             if v.mask is None and v.offset == 0 and all(st == 0 for st in v.strides):
                 for axis in range(len(v.shape)):
                     r = ViewSpec(tuple(1 if j == axis else d for j, d in enumerate(v.shape)), v.strides)
@@ -135,6 +149,15 @@ class _Encoder:
         eg.register(set_(compose_views(inner, outer)).to(String(self.spec_key(c))))
         return True
 
+    def register_gemm_layout(self, eg: EGraph, a: str, b: str, axis: int) -> bool:
+        if (a, b, axis) in self.gemm_checked:
+            return False
+        self.gemm_checked.add((a, b, axis))
+        if not is_gemm_layout(self.specs[a], self.specs[b], axis):
+            return False
+        eg.register(gemm_layout(a, b, axis))
+        return True
+
 
 def saturate(g: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport]:
     eg = EGraph()
@@ -160,7 +183,8 @@ def _saturate(g: Graph, limits: SearchLimits, eg: EGraph) -> tuple[Graph, Search
         for k, o in enumerate(g.outputs):
             eg.register(Term.output(k, refs[o]))
         enc.flush_tables(eg)
-    rulesets = {"algebra": algebra, "views": views, "reductions": reductions}
+    rulesets = {"algebra": algebra, "views": views, "reductions": reductions, "matmul": matmul, "norms": norms,
+                "attention": attention}
     stop = "iteration limit"
     serialized = None
     for it in range(1, limits.max_iterations + 1):
@@ -183,7 +207,7 @@ def _saturate(g: Graph, limits: SearchLimits, eg: EGraph) -> tuple[Graph, Search
                         report.rulesets[family] = report.rulesets.get(family, 0) + count
                         fired += count
             serialized = _serialize(eg)
-            new_pairs = _register_new_compositions(eg, enc, serialized)
+            new_pairs = _register_facts(eg, enc, serialized)
             new_pairs |= enc.flush_tables(eg)
             enodes = sum(size for _, size in eg.all_function_sizes())
             eclasses = len({n["eclass"] for n in serialized["nodes"].values()})
@@ -221,28 +245,44 @@ def _literal(node: dict):
         return float(op.replace("NaN", "nan"))
 
 
-def _register_new_compositions(eg: EGraph, enc: _Encoder, ser: dict) -> bool:
+def _register_facts(eg: EGraph, enc: _Encoder, ser: dict) -> bool:
+    """Enter the Python-decided facts for the view pairs new e-nodes brought: compositions of a
+    view of a view, and GEMM layouts of a SumReduce of a Mul of two views."""
     nodes = ser["nodes"]
     by_class: dict[str, list[dict]] = {}
     for n in nodes.values():
         by_class.setdefault(n["eclass"], []).append(n)
+
+    def view_specs(cls: str) -> list[str]:
+        return [k for m in by_class.get(cls, []) if m["op"] == "Term.view"
+                for k in [_literal(nodes[m["children"][1]])] if k in enc.specs]
+
     added = False
     for n in nodes.values():
-        if n["op"] != "Term.view":
-            continue
-        inner_cls = nodes[n["children"][0]]["eclass"]
-        outer_key = _literal(nodes[n["children"][1]])
-        for m in by_class.get(inner_cls, []):
-            if m["op"] == "Term.view":
-                inner_key = _literal(nodes[m["children"][1]])
-                if inner_key in enc.specs and outer_key in enc.specs:
+        if n["op"] == "Term.view":
+            outer_key = _literal(nodes[n["children"][1]])
+            if outer_key in enc.specs:
+                for inner_key in view_specs(nodes[n["children"][0]]["eclass"]):
                     added |= enc.register_composition(eg, inner_key, outer_key)
+        elif n["op"] == "Term.sum_reduce":
+            axis = _literal(nodes[n["children"][1]])
+            for m in by_class.get(nodes[n["children"][0]]["eclass"], []):
+                if m["op"] == "Term.mul":
+                    ca, cb = (nodes[c]["eclass"] for c in m["children"])
+                    for sa in view_specs(ca):
+                        for sb in view_specs(cb):
+                            added |= enc.register_gemm_layout(eg, sa, sb, axis)
     return added
 
 
 # relative cost of one element of each op: transcendental ops are polynomial evaluations
 _OP_WEIGHT = {"exp2": 4.0, "log2": 4.0, "sin": 4.0, "sqrt": 2.0, "recip": 2.0, "mod": 2.0}
 VIEW_COST = 0.01  # views are free at run time; a small cost prefers fewer of them
+GEMM_WEIGHT = 0.25  # one multiply-add of a BLAS GEMM, against 1 for each op of a generated loop
+# a row kernel's cost per element: below its primitive ops' (softmax 10, RMS norm 3, layer norm 5)
+# because it reads its input once and writes only its result
+_ROW_WEIGHT = {"softmax": 5.0, "rms_norm": 2.0, "layer_norm": 3.0}
+ATTENTION_SAVING = 1.0  # per probability: a fused attention kernel never writes nor reads P
 
 
 def _node_cost(name: str, elements: int) -> float:
@@ -250,6 +290,10 @@ def _node_cost(name: str, elements: int) -> float:
         return 0.0
     if name == "view":
         return VIEW_COST
+    if name == "gemm":  # elements: the multiply-adds
+        return GEMM_WEIGHT * elements
+    if name in _ROW_WEIGHT:
+        return _ROW_WEIGHT[name] * elements
     return _OP_WEIGHT.get(name, 1.0) * elements
 
 
@@ -257,11 +301,32 @@ def graph_cost(g: Graph) -> float:
     """The cost extraction minimizes, for a whole Graph: elements computed, weighted by op."""
     largest = {name: hi for name, _, hi in g.symbols}
     name = {v: k for k, v in _TERM_OF_OP.items()}
-    return sum(_node_cost(name.get(n.op, "other"), evaluate_dim(numel(n.shape), largest)) for n in g.nodes)
+    in_gemm = {n.inputs[0] for n in g.nodes if n.kernel in ("gemm", "attention")}  # a GEMM's Mul
+    total = 0.0
+    for i, n in enumerate(g.nodes):
+        if i in in_gemm:
+            continue
+        if n.kernel in ("gemm", "attention"):
+            total += _node_cost("gemm", evaluate_dim(numel(g.nodes[n.inputs[0]].shape), largest))
+        else:
+            total += _node_cost(name.get(n.op, "other"), evaluate_dim(numel(n.shape), largest))
+    return total
 
 
 _TERM_OF_OP = {"input": Op.INPUT, "weight": Op.WEIGHT, "const": Op.CONSTANT, "view": Op.VIEW, "exp2": Op.EXP2,
                "log2": Op.LOG2, "sin": Op.SIN, "sqrt": Op.SQRT, "recip": Op.RECIP, "mod": Op.MOD}
+
+
+def _enode_cost(n: dict, cls: str, nodes: dict, elements: dict[str, int]) -> float:
+    """An e-node's own cost. A GEMM costs its multiply-adds (the elements of its broadcast
+    operand views); attention, those of P · V less what not writing P saves."""
+    name = _BY_NAME[n["op"]]
+    kids = [nodes[ch]["eclass"] for ch in n["children"] if nodes[ch]["op"] in _BY_NAME]
+    if name == "gemm":
+        return _node_cost(name, elements.get(kids[0], 1))
+    if name == "attention":
+        return max(0.0, _node_cost("gemm", elements.get(kids[1], 1)) - ATTENTION_SAVING * elements.get(kids[0], 1))
+    return _node_cost(name, elements.get(cls, 1))
 
 
 def _class_elements(g: Graph, enc: "_Encoder", nodes: dict, classes: dict[str, list[str]]) -> dict[str, int]:
@@ -291,9 +356,13 @@ def _class_elements(g: Graph, enc: "_Encoder", nodes: dict, classes: dict[str, l
                     shape[cls] = tuple(enc.shapes[lits[0]])
                 elif not all(k in shape for k in kids):
                     continue
-                elif name in ("sum_reduce", "max_reduce"):
+                elif name in ("sum_reduce", "max_reduce", "gemm"):
                     s = list(shape[kids[0]])
                     s[int(lits[0])] = 1
+                    shape[cls] = tuple(s)
+                elif name == "attention":  # P · V: V's broadcast view, reduced along k
+                    s = list(shape[kids[1]])
+                    s[int(lits[1])] = 1
                     shape[cls] = tuple(s)
                 elif name == "gather":
                     shape[cls] = shape[kids[1]]
@@ -318,7 +387,7 @@ def _extract(g: Graph, enc: _Encoder, ser: dict) -> Graph:
         for cls, members in classes.items():
             for nid in members:
                 n = nodes[nid]
-                total = _node_cost(_BY_NAME[n["op"]], elements.get(cls, 1))
+                total = _enode_cost(n, cls, nodes, elements)
                 ok = True
                 for ch in n["children"]:
                     ccls = nodes[ch]["eclass"]
@@ -387,6 +456,17 @@ def _rebuild(b: GraphBuilder, enc: _Encoder, shapes, n: dict, nodes: dict, kids:
         return b.where(*kids)
     if name in ("sum_reduce", "max_reduce"):
         return b.reduce(Op.SUM_REDUCE if name == "sum_reduce" else Op.MAX_REDUCE, kids[0], int(lits[0]))
+    if name == "gemm":
+        return b.reduce(Op.SUM_REDUCE, b.binary(Op.MUL, kids[0], kids[1]), int(lits[0]), kernel="gemm")
+    if name == "softmax":
+        return softmax_primitives(b, kids[0], int(lits[0]))
+    if name == "rms_norm":
+        return rms_norm_primitives(b, kids[0], int(lits[0]), float(lits[1]), float(lits[2]))
+    if name == "layer_norm":
+        return layer_norm_primitives(b, kids[0], int(lits[0]), float(lits[1]), float(lits[2]))
+    if name == "attention":
+        p = b.view(kids[0], enc.specs[lits[0]])
+        return b.reduce(Op.SUM_REDUCE, b.binary(Op.MUL, p, kids[1]), int(lits[1]), kernel="attention")
     if name == "iota":
         return b.iota(enc.shapes[lits[0]], int(lits[1]), DType(lits[2]))
     if name == "gather":

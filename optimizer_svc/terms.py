@@ -6,7 +6,7 @@ and Const carry dtypes), so hash-consing identical terms is sound.
 
 from __future__ import annotations
 
-from egglog import Expr, StringLike, f64Like, i64Like, function, relation, String
+from egglog import Expr, String, StringLike, f64Like, i64, i64Like, function, relation
 
 
 class Term(Expr):
@@ -50,6 +50,22 @@ class Term(Expr):
     def scatter(cls, dst: Term, index: Term, src: Term, axis: i64Like) -> Term: ...
     @classmethod
     def cast(cls, x: Term, dtype: StringLike) -> Term: ...
+    # kernel choices (rules/matmul.py, norms.py, attention.py): equal to the primitive form they are unioned with
+    @classmethod
+    def gemm(cls, a: Term, b: Term, axis: i64Like) -> Term:
+        """sum_reduce(mul(a, b), axis), computed by a GEMM (a and b are views)."""
+    @classmethod
+    def softmax(cls, x: Term, axis: i64Like) -> Term:
+        """norms.softmax_primitives(x, axis), one row kernel."""
+    @classmethod
+    def rms_norm(cls, x: Term, axis: i64Like, inv_n: f64Like, eps: f64Like) -> Term:
+        """norms.rms_norm_primitives(x, axis, inv_n, eps), one row kernel."""
+    @classmethod
+    def layer_norm(cls, x: Term, axis: i64Like, inv_n: f64Like, eps: f64Like) -> Term:
+        """norms.layer_norm_primitives(x, axis, inv_n, eps), one row kernel."""
+    @classmethod
+    def attention(cls, p: Term, p_spec: StringLike, v: Term, k: i64Like) -> Term:
+        """gemm(view(p, p_spec), v, k) for a row kernel's result p (a softmax), one fused kernel."""
     @classmethod
     def output(cls, index: i64Like, x: Term) -> Term:
         """Marks graph output `index`; never rewritten."""
@@ -65,6 +81,16 @@ def reduce_view(spec: StringLike, axis: i64Like) -> String:
     """A broadcast scalar's view with dim `axis` reduced to 1; filled from Python for the
     broadcast specs the graph contains."""
 
+
+# (view spec a, view spec b, axis) whose sum_reduce(mul(view a, view b), axis) is a GEMM (filled from Python)
+gemm_layout = relation("gemm_layout", String, String, i64)
+
+# results of a row kernel along an axis: softmax (fully masked rows zeroed or not), norms with
+# their affine weight and bias (rules/attention.py)
+row_result = relation("row_result", Term, i64)
+
+# (view spec, axis): the view reads a [.., 1, ..] value back along axis (filled from Python)
+row_bcast = relation("row_bcast", String, i64)
 
 # leaves and views: what a view may be pushed onto (rules/views.py)
 viewable = relation("viewable", Term)

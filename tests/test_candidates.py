@@ -53,9 +53,10 @@ def test_schedule_grid_changes_the_partition():
     serial loops (that each still computes the model is the first test's check)."""
     from importer_svc.importer import lower_program
     from optimizer_svc.partition import SCHEDULE_GRID, Schedule, partition
+    from optimizer_svc.search import SearchLimits, saturate
 
     model, (x,) = mlp_example()
-    g, _ = lower_program(torch.export.export(model, (x,)))
+    g, _ = saturate(lower_program(torch.export.export(model, (x,)))[0], SearchLimits())
     kinds = {tuple(k.kind for k in partition(g, schedule=s).kernels) for s in SCHEDULE_GRID}
     assert len(kinds) >= 2
     loops = partition(g, schedule=Schedule(blas_min_macs=1 << 40))

@@ -202,9 +202,10 @@ def test_softmax_and_norms_are_one_row_kernel_each(local_pipeline, dtype):
 def test_row_fusion_is_a_schedule_choice():
     from importer_svc.importer import lower_program
     from optimizer_svc.partition import Schedule, partition
+    from optimizer_svc.search import SearchLimits, saturate
 
     x, y, mask = torch.randn(3, 5, 24), torch.randn(3, 5, 24), torch.zeros(3, 5, 24)
-    g, _ = lower_program(torch.export.export(_Norms(), (x, y, mask)))
+    g, _ = saturate(lower_program(torch.export.export(_Norms(), (x, y, mask)))[0], SearchLimits())
     on, off = partition(g), partition(g, schedule=Schedule(rows=False))
     assert [k.kind for k in on.kernels] == ["row"] * 3
     assert len(off.kernels) > 6 and "row" not in {k.kind for k in off.kernels}
@@ -213,10 +214,12 @@ def test_row_fusion_is_a_schedule_choice():
 def test_row_value_read_through_a_transpose_is_not_fused_with_the_wrong_row(local_pipeline):
     """An RMS norm whose result is read transposed: the kernel's rows are not the norm's rows,
     so the norm's reduction must not become a per-row local of that kernel. The partition of
-    the unrewritten graph is emitted and run as is, and checked against torch."""
+    the searched graph (the search names the RMS norm a row kernel) is emitted and run as is,
+    and checked against torch."""
     from importer_svc.importer import lower_program
     from kiln.ir.kernel import kernel_graph_to_pb
     from optimizer_svc.partition import partition
+    from optimizer_svc.search import SearchLimits, saturate
 
     class M(torch.nn.Module):
         def forward(self, x, y):
@@ -224,7 +227,8 @@ def test_row_value_read_through_a_transpose_is_not_fused_with_the_wrong_row(loca
             return t.transpose(-1, -2) + y
 
     x, y = torch.randn(2, 6, 6), torch.randn(2, 6, 6)
-    g, _ = lower_program(torch.export.export(M(), (x, y)))
+    g, _ = saturate(lower_program(torch.export.export(M(), (x, y)))[0], SearchLimits())
+    assert [n.kernel for n in g.nodes if n.kernel] == ["row"]
     kg = partition(g)
     store = local_pipeline.store
     bundle, _, _ = local_pipeline.emit(store.put_message(kernel_graph_to_pb(kg)))

@@ -32,11 +32,12 @@ class GraphBuilder:
         return self.nodes[i].dtype
 
     def _add(self, node: Node) -> int:
-        key = (node.op, node.inputs, node.shape, node.dtype, node.name, node.value, node.view, node.axis)
+        key = (node.op, node.inputs, node.shape, node.dtype, node.name, node.value, node.view, node.axis,
+               node.kernel)
         if key in self._index:
             return NodeId(self._index[key])
         node = Node(node.op, node.inputs, node.shape, node.dtype, node.name, node.value, node.view,
-                    node.axis, self.source)
+                    node.axis, self.source, node.kernel)
         self.nodes.append(node)
         self._index[key] = len(self.nodes) - 1
         return NodeId(len(self.nodes) - 1)
@@ -50,7 +51,7 @@ class GraphBuilder:
         if node.op is Op.VIEW and node.view.is_contiguous_of(self.shape(inputs[0])):
             return NodeId(inputs[0])
         return self._add(Node(node.op, tuple(inputs), node.shape, node.dtype, node.name, node.value, node.view,
-                              node.axis))
+                              node.axis, kernel=node.kernel))
 
     # ---- leaves ----
     def input(self, name: str, shape: Shape, dtype: DType) -> int:
@@ -102,13 +103,13 @@ class GraphBuilder:
         out = broadcast_shapes(*shapes)
         return [self.expand(x, out) if self.shape(x) != out else x for x in xs]
 
-    def binary(self, op: Op, a: int, b: int) -> int:
+    def binary(self, op: Op, a: int, b: int, kernel: str = "") -> int:
         assert op in GroupOp.Binary
         if self.dtype(a) != self.dtype(b):
             raise ValueError(f"{op.value}: dtypes differ ({self.dtype(a).value}, {self.dtype(b).value})")
         a, b = self.broadcast(a, b)
         dtype = DType.BOOL if op is Op.LESS_THAN else self.dtype(a)
-        return self._add(Node(op, (a, b), self.shape(a), dtype))
+        return self._add(Node(op, (a, b), self.shape(a), dtype, kernel=kernel))
 
     def where(self, cond: int, a: int, b: int) -> int:
         if self.dtype(cond) is not DType.BOOL:
@@ -116,12 +117,12 @@ class GraphBuilder:
         cond, a, b = self.broadcast(cond, a, b)
         return self._add(Node(Op.WHERE, (cond, a, b), self.shape(a), self.dtype(a)))
 
-    def reduce(self, op: Op, x: int, axis: int) -> int:
+    def reduce(self, op: Op, x: int, axis: int, kernel: str = "") -> int:
         assert op in GroupOp.Reduce
         shape = list(self.shape(x))
         axis = axis % len(shape)
         shape[axis] = 1
-        return self._add(Node(op, (x,), tuple(shape), self.dtype(x), axis=axis))
+        return self._add(Node(op, (x,), tuple(shape), self.dtype(x), axis=axis, kernel=kernel))
 
     def cast(self, x: int, dtype: DType) -> int:
         if self.dtype(x) is dtype:

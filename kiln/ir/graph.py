@@ -26,6 +26,13 @@ class Node:
     view: Optional[ViewSpec] = None
     axis: int = 0               # reductions, Gather, Scatter
     source: str = ""            # where the node came from (ATen op and source line), for errors
+    kernel: str = ""            # the kernel the search chose to compute this node in (KERNEL_CHOICES)
+
+
+# The kernel choices the search records on nodes (optimizer_svc/rules: matmul, norms, attention):
+# a SumReduce computed by a GEMM ("gemm"), or as the second GEMM of a fused attention kernel
+# ("attention"), and the elementwise root of a row kernel ("row": softmax, layer norm, RMS norm).
+KERNEL_CHOICES = {"gemm": (Op.SUM_REDUCE,), "attention": (Op.SUM_REDUCE,), "row": tuple(GroupOp.Elementwise)}
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,8 @@ def validate(g: Graph) -> None:
             raise ValueError(f"node %{i} reads undeclared weight {n.name!r}")
         if n.op is Op.VIEW and (n.view is None or tuple(n.view.shape) != tuple(n.shape)):
             raise ValueError(f"node %{i} View has no spec or a spec of the wrong shape")
+        if n.kernel and n.op not in KERNEL_CHOICES.get(n.kernel, ()):
+            raise ValueError(f"node %{i} {n.op.value} cannot be computed as a {n.kernel!r} kernel")
     for o in g.outputs:
         if not 0 <= o < len(g.nodes):
             raise ValueError(f"graph output %{o} does not exist")
@@ -128,6 +137,6 @@ def prune(g: Graph) -> Graph:
         if live[i]:
             new_id[i] = len(nodes)
             nodes.append(Node(n.op, tuple(new_id[j] for j in n.inputs), n.shape, n.dtype, n.name, n.value,
-                              n.view, n.axis, n.source))
+                              n.view, n.axis, n.source, n.kernel))
     return Graph(tuple(nodes), g.inputs, g.weights, tuple(new_id[o] for o in g.outputs), g.output_names,
                  g.output_tree, g.symbols)
