@@ -102,6 +102,23 @@ def test_proto_roundtrip():
     assert graph_from_pb(graph_to_pb(g)) == g
 
 
+def test_kernel_marks_roundtrip_and_are_checked():
+    """The search's kernel choice on a node survives serialization; a mark on an op that kernel
+    cannot compute, or an unknown mark, is a malformed graph."""
+    import dataclasses
+
+    g = _small_graph()
+    nodes = list(g.nodes)
+    nodes[-1] = dataclasses.replace(nodes[-1], kernel="gemm")
+    marked = Graph(tuple(nodes), g.inputs, g.weights, g.outputs, g.output_names)
+    assert graph_from_pb(graph_to_pb(marked)).nodes[-1].kernel == "gemm"
+    for i, mark in ((len(nodes) - 2, "gemm"), (len(nodes) - 1, "row"), (len(nodes) - 1, "flash")):
+        bad = list(g.nodes)
+        bad[i] = dataclasses.replace(bad[i], kernel=mark)
+        with pytest.raises(ValueError, match="cannot be computed as"):
+            graph_from_pb(graph_to_pb(Graph(tuple(bad), g.inputs, g.weights, g.outputs)))
+
+
 def test_validate_rejects_cycles_and_dangling_refs():
     g = _small_graph()
     bad = list(g.nodes)

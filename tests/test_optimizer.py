@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
@@ -246,3 +247,99 @@ def test_report_gives_cost_before_and_after_and_matches_per_ruleset(file_store):
     assert sum(per_family.values()) == sum(c.matches for c in report.rules)
     _, off = optimize(file_store, file_store.put_message(graph_to_pb(g)), OptimizeOptions(search=False))
     assert off.cost_after == off.cost_before
+
+
+class _Rms(torch.nn.Module):
+    def __init__(self, x_first=True):
+        super().__init__()
+        self.x_first = x_first
+
+    def forward(self, x):
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return x * r if self.x_first else r * x
+
+
+class _NormThenLinear(torch.nn.Module):
+    """A final norm read by a GEMM along its normalized axis (a transformer's LM head)."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.norm, self.head = norm, torch.nn.Linear(8, 5, bias=False)
+
+    def forward(self, x):
+        return self.head(self.norm(x))
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _attention(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+# kernel-choice rules: (name, module, inputs, rule substring, marks the extracted graph carries)
+KERNEL_RULES = [
+    ("gemm", _Fn(lambda x, w: x @ w.t()), ((3, 8), (5, 8)), "Term.gemm(", {"gemm": 1}),
+    ("gemm_batched_transposed", _Fn(lambda x, y: x.transpose(1, 2) @ y), ((2, 8, 3), (2, 8, 4)), "Term.gemm(",
+     {"gemm": 1}),
+    ("softmax", _Fn(lambda x: torch.softmax(x, -1)), ((3, 8),), "Term.softmax(x, a)", {"row": 1}),
+    ("softmax_axis_of_one", _Fn(lambda x: torch.softmax(x, -1)), ((3, 8, 1),), "Term.softmax(x, a)", {"row": 1}),
+    ("rms_norm", _Rms(True), ((3, 8),), "Term.rms_norm(x, a, n, eps)", {"row": 1}),
+    ("rms_norm_rstd_first", _Rms(False), ((3, 8),), "Term.rms_norm(x, a, n, eps)", {"row": 1}),
+    ("rms_norm_axis_of_one", _Rms(True), ((3, 1),), "Term.rms_norm(x, a, n, eps)", {"row": 1}),
+    ("layer_norm", torch.nn.LayerNorm(8), ((3, 8),), "Term.layer_norm(x, a, n, eps)", {"row": 1}),
+    ("attention", _Fn(_attention), ((1, 2, 6, 4),) * 3, "Term.attention(", {"gemm": 1, "row": 1, "attention": 1}),
+    ("layer_norm_into_gemm", _NormThenLinear(torch.nn.LayerNorm(8)), ((3, 8),), "Term.attention(",
+     {"row": 1, "attention": 1}),
+]
+
+
+@pytest.mark.parametrize("name,module,shapes,rule,marks", KERNEL_RULES, ids=[r[0] for r in KERNEL_RULES])
+def test_kernel_rule_fires_marks_and_preserves_semantics(name, module, shapes, rule, marks):
+    """The importer's primitive form of each kernel is recognised by its rule, extraction marks
+    the kernel on the rebuilt node, and the rebuilt program computes what torch computes."""
+    from collections import Counter
+
+    from importer_svc.importer import lower_program
+
+    torch.manual_seed(0)
+    args = tuple(torch.randn(s) for s in shapes)
+    g, weights = lower_program(torch.export.export(module.eval(), args))
+    opt, report = saturate(g, SearchLimits())
+    assert report.stop_reason == "saturated"
+    assert any(rule in k and v > 0 for k, v in report.rules.items()), sorted(report.rules)
+    assert dict(Counter(n.kernel for n in opt.nodes if n.kernel)) == marks
+    feeds = {t.name: a.numpy() for t, a in zip(g.inputs, args)}
+    w = {k: v.detach().numpy() for k, v in weights.items()}
+    (before,), (after,) = evaluate(g, feeds, w), evaluate(opt, feeds, w)
+    with torch.no_grad():
+        ref = module(*args).numpy()
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(after, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_rules_need_their_whole_form():
+    """Near misses keep their primitive form: a sum of exponentials without the max shift, and
+    a mean of squares over the rows read back along the columns, are not softmax and RMS norm;
+    an integer matmul-shaped reduction is recognised but the partition computes it in loops."""
+    from importer_svc.importer import lower_program
+
+    def unshifted(x):
+        e = torch.exp(x)
+        return e / e.sum(-1, keepdim=True)
+
+    for fn in (unshifted, lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6).transpose(0, 1)):
+        g, _ = lower_program(torch.export.export(_Fn(fn), (torch.randn(8, 8),)))
+        opt, _ = saturate(g, SearchLimits())
+        assert not [n.kernel for n in opt.nodes if n.kernel]
+    g, _ = lower_program(torch.export.export(_Fn(lambda x, y: x @ y), (torch.ones(3, 4, dtype=torch.int64),
+                                                                      torch.ones(4, 5, dtype=torch.int64))))
+    opt, _ = saturate(g, SearchLimits())
+    assert [n.kernel for n in opt.nodes if n.kernel] == ["gemm"]
+    assert "gemm" not in [k.kind for k in partition(opt).kernels] and "reduce" in [k.kind for k in partition(opt).kernels]
