@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -16,7 +17,7 @@ from kiln.store import BlobStore
 from kiln.telemetry import span
 from kiln.v1 import ir_pb2, services_pb2
 from optimizer_svc.cost import predict
-from optimizer_svc.partition import DEFAULT_SCHEDULE, SCHEDULE_GRID, Schedule, partition
+from optimizer_svc.partition import DEFAULT_SCHEDULE, SCHEDULE_GRID, Schedule, partition, with_parallel
 from optimizer_svc.regions import RegionCycle, assemble, canonical, split
 from optimizer_svc.search import SearchLimits, SearchReport, graph_cost, saturate
 
@@ -113,9 +114,13 @@ def candidates(g: Graph, options: OptimizeOptions, profile) -> list[tuple[Schedu
     if not options.search:
         kg = partition(g, fuse=False)
         return [(DEFAULT_SCHEDULE, kg, predict(kg, profile) if profile is not None else [])]
-    seen, out = set(), []
+    seen, out, structures = set(), [], {}
     for schedule in (DEFAULT_SCHEDULE,) + SCHEDULE_GRID:
-        kg = partition(g, schedule=schedule)
+        # schedules that differ only in their parallel thresholds share one partition
+        key = dataclasses.replace(schedule, parallel_min_elements=0, parallel_min_macs=0)
+        if key not in structures:
+            structures[key] = partition(g, schedule=schedule)
+        kg = with_parallel(structures[key], schedule)
         shape = tuple((k.kind, k.output, k.nodes, k.parallel) for k in kg.kernels)
         if shape in seen:
             continue

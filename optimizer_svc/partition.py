@@ -13,6 +13,7 @@ distinct partitions the schedule grid gives by the cost model; the fastest is fo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -111,16 +112,34 @@ def partition(g: Graph, fuse: bool = True, schedule: Schedule = DEFAULT_SCHEDULE
         kind = ("gemm" if gemm is not None else "row" if i in row_axis else
                 "reduce" if node.op in GroupOp.Reduce else
                 "gather" if node.op is Op.GATHER else "scatter" if node.op is Op.SCATTER else "elementwise")
-        work = g.nodes[gemm if gemm is not None else i]
-        total = evaluate_dim(numel(g.nodes[work.inputs[0]].shape if work.op in GroupOp.Reduce else work.shape),
-                             largest)
-        parallel = (total >= schedule.parallel_min_elements and kind in ("elementwise", "reduce", "row")
-                    or kind == "gemm" and total >= schedule.parallel_min_macs)
-        kernels.append(Kernel(f"k{len(kernels)}_{kind}", kind, tuple(inside), i, tuple(reads), parallel,
+        kernels.append(Kernel(f"k{len(kernels)}_{kind}", kind, tuple(inside), i, tuple(reads), False,
                               row_axis.get(i, -1)))
     if fuse and schedule.rows and schedule.attention:
         kernels = _fuse_attention(g, users, outputs, kernels)
-    return KernelGraph(g, tuple(kernels))
+    return with_parallel(KernelGraph(g, tuple(kernels)), schedule)
+
+
+def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
+    """The kernels with the schedule's parallel choices: which loops run on the pool depends only
+    on each kernel's size, so one partition serves every schedule that shares its structure."""
+    g = kg.graph
+    largest = {name: hi for name, _, hi in g.symbols}
+
+    def work(i: int) -> int:  # a reduction's (or GEMM's) input elements, else the node's own
+        n = g.nodes[i]
+        return evaluate_dim(numel(g.nodes[n.inputs[0]].shape if n.op in GroupOp.Reduce else n.shape), largest)
+
+    def parallel(k: Kernel) -> bool:
+        if k.kind in ("elementwise", "reduce", "row"):
+            return work(k.output) >= schedule.parallel_min_elements
+        if k.kind == "gemm":
+            return work(kernel_gemm(g, k)) >= schedule.parallel_min_macs
+        if k.kind == "attention":  # either GEMM, or the softmax between them, is large enough
+            return (work(k.scores) >= schedule.parallel_min_macs or work(k.output) >= schedule.parallel_min_macs
+                    or work(gemm_axes(g, k.output).a_root) >= schedule.parallel_min_elements)
+        return False
+
+    return KernelGraph(g, tuple(dataclasses.replace(k, parallel=parallel(k)) for k in kg.kernels))
 
 
 def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Kernel]:
@@ -175,8 +194,7 @@ def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Ker
                 continue
             nodes = tuple(sorted(set(qk.nodes) | members | set(pv.nodes)))
             reads = tuple(sorted((set(qk.reads) | set(r.reads) | set(pv.reads)) - {e, p}))
-            fused[pv.output] = Kernel("", "attention", nodes, pv.output, reads,
-                                      qk.parallel or r.parallel or pv.parallel, a, gi)
+            fused[pv.output] = Kernel("", "attention", nodes, pv.output, reads, False, a, gi)
             gone |= {qk.output, r.output}
             break
     out = []
