@@ -112,6 +112,25 @@ def test_bad_run_inputs_are_invalid_argument(remote_pipeline):
     assert np.allclose(out[0][1], model(*inputs).detach().numpy(), rtol=1e-4, atol=1e-5)
 
 
+def test_every_form_of_a_valid_input_gives_the_same_outputs(local_pipeline):
+    """A run takes its inputs by position or by name, C-ordered or not: the fast path (plain
+    comparisons against a static signature) and the general one agree, and a bad input still
+    gets the general path's error."""
+    model, inputs = mlp_example()
+    compiled = kiln.compile(model, inputs, pipeline=local_pipeline)
+    p, sid = local_pipeline, compiled.session
+    x = inputs[0].numpy()
+    ref = model(*inputs).detach().numpy()
+    strided = np.asfortranarray(x)
+    outs = [p.run(sid, [("", x)]), p.run(sid, [("x", x)]), p.run(sid, [("x", strided)]),
+            p.run(sid, [("", x[:, :].copy())])]
+    for out in outs:
+        assert out[0][1].shape == ref.shape and out[0][1].dtype == np.float32
+        np.testing.assert_allclose(out[0][1], ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(InvalidArgument, match=r"input 'x': expected shape \[8, 64\], got \[64, 8\]"):
+        p.run(sid, [("", x.T.copy())])
+
+
 def test_unknown_digest_and_session_are_not_found(remote_pipeline):
     from kiln.digest import digest_bytes
 

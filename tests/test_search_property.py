@@ -1,7 +1,9 @@
 """Property test of the whole optimizer: random primitive graphs, optimized vs unoptimized.
 
 Hypothesis builds graphs from every op family (unary, binary, select, both reductions, views
-that permute, reshape, broadcast and pad, casts, constants) over two 4x4 inputs, saturates
+that permute, reshape, broadcast and pad, casts, constants) and from the importer's forms of
+matmuls, softmax, RMS norm and layer norm (what the matmul, norms and attention rules
+recognise: a softmax followed by a matmul is attention) over two 4x4 inputs, saturates
 them with every ruleset, and checks that the reference evaluator gives the same outputs for
 the extracted program as for the original. Tolerance: rtol 1e-4 / atol 1e-5 with NaN where
 NaN, since rewrites may reassociate float arithmetic (a few ulp per reassociation).
@@ -16,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from importer_svc import compose as C
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.evaluate import evaluate
@@ -27,7 +30,7 @@ SHAPE = (N, N)
 CONSTS = (0.0, 1.0, -1.0, 2.0, 0.5, 3.0)
 UNARY = (Op.EXP2, Op.LOG2, Op.SIN, Op.SQRT, Op.RECIP)
 STEPS = ("unary", "add", "mul", "const_add", "const_mul", "where", "sum", "max", "permute", "reshape",
-         "pad", "cast", "mod", "neg")
+         "pad", "cast", "mod", "neg", "matmul", "softmax", "rms_norm", "layer_norm")
 
 
 def build(steps):
@@ -71,6 +74,15 @@ def build(steps):
             r = b.cast(b.cast(u, DType.I32), DType.F32) if k % 2 else b.cast(b.binary(Op.LESS_THAN, y, u), DType.F32)
         elif step == "mod":
             r = b.binary(Op.MOD, vals[k % 2], b.const(CONSTS[3 + k % 3], DType.F32, SHAPE))
+        elif step == "matmul":  # u @ v or u @ v.T
+            r = C.matmul(b, u, v if k % 2 else b.permute(v, (1, 0)))
+        elif step == "softmax":
+            r = C.softmax(b, u, k % 2)
+        elif step in ("rms_norm", "layer_norm"):
+            axis = k % 2
+            t = C.sub(b, u, C.mean(b, u, [axis], True)) if step == "layer_norm" else u
+            var = C.mean(b, C.mul(b, t, t), [axis], True)
+            r = C.mul(b, t, b.unary(Op.RECIP, b.unary(Op.SQRT, C.add(b, var, C.scalar(b, var, 1e-5)))))
         vals.append(r)
     outs = [vals[-1]] if len(vals) < 4 else [vals[-1], vals[len(vals) // 2]]
     return b.build(outs)
