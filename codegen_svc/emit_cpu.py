@@ -32,6 +32,11 @@ from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, compose_cha
 from codegen_svc.memory import MemoryPlan, plan_memory
 
 EPILOGUE_ROWS = 256  # rows of C a GEMM's epilogue works on at a time, right after BLAS wrote them
+# a GEMM whose B is this small (elements) is cheap to stream again per BLAS call: its blocks of
+# packed A and of C stay within SMALL_BLOCK_BYTES where GEMM_MIN_ROWS rows allow (a CNN's
+# im2col rows are long, its B small)
+SMALL_B = 1 << 16
+SMALL_BLOCK_BYTES = 1 << 14
 GEMM_MIN_ROWS = 64  # the fewest rows per block of a GEMM split across the pool
 THREADS_ARG = "nthreads"  # the pool's size: every kernel's and the entry's last argument
 ONLINE_SOFTMAX_MIN_ROW = 4096  # f32 rows up to this long (16 KB) take a softmax in two loops
@@ -171,6 +176,18 @@ class CpuProgram:
     entry: str
     memory: MemoryPlan
     outputs: tuple[TensorSpec, ...]
+
+
+def _sub_block_rows(a_cols, c_cols, b_elements) -> int:
+    """Rows of a GEMM's sub-block (packed A's `a_cols` and C's `c_cols` per row). EPILOGUE_ROWS,
+    unless B is small enough to stream again per BLAS call for free: then as many rows as fit
+    in SMALL_BLOCK_BYTES (at least GEMM_MIN_ROWS: fewer rows per BLAS call cost more in calls
+    than they save in memory), which keeps the blocks' memory small. Dims may be symbolic: then
+    the full EPILOGUE_ROWS."""
+    per_row = 4 * (a_cols + c_cols)
+    if not isinstance(b_elements, int) or not isinstance(per_row, int) or b_elements > SMALL_B or per_row == 0:
+        return EPILOGUE_ROWS
+    return max(GEMM_MIN_ROWS, min(EPILOGUE_ROWS, SMALL_BLOCK_BYTES // per_row))
 
 
 def _d(x: Dim) -> str:
@@ -656,13 +673,14 @@ class _KernelWriter:
             else:
                 # sub-blocks of EPILOGUE_ROWS rows: A's rows packed just before BLAS reads them,
                 # the epilogue run on C's rows right after BLAS wrote them, both while in cache
+                sb = _sub_block_rows(K if pack_rows else 0, Nt if rows is not None else 0, K * Nt)
                 if pack_rows:
-                    lines.append(f"        at = np.empty(({EPILOGUE_ROWS}, {_d(K)}), dtype={_COMPUTE[r.dtype]})")
+                    lines.append(f"        at = np.empty(({sb}, {_d(K)}), dtype={_COMPUTE[r.dtype]})")
                 if rows is not None:
-                    lines += [f"        ct = np.empty(({EPILOGUE_ROWS}, {_d(Nt)}), dtype={_COMPUTE[r.dtype]})",
+                    lines += [f"        ct = np.empty(({sb}, {_d(Nt)}), dtype={_COMPUTE[r.dtype]})",
                               "        Cf = ct.reshape(-1)"]
-                lines += [f"        for s0 in range(lo, hi, {EPILOGUE_ROWS}):",
-                          f"            s1 = min(s0 + {EPILOGUE_ROWS}, hi)"]
+                lines += [f"        for s0 in range(lo, hi, {sb}):",
+                          f"            s1 = min(s0 + {sb}, hi)"]
                 if pack_rows:
                     lines += self._pack_rows(gm.a_node, m_axes, k, F, K)
                 a_blk = "at[0:s1 - s0]" if pack_rows else f"{a_at.format(bi='0')}[s0:s1]"

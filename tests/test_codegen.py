@@ -94,7 +94,8 @@ def test_parallel_gemm_splits_rows_and_matches(local_pipeline):
     """A parallel GEMM splits M into blocks of rows, one per thread; its epilogue runs on each
     block as soon as BLAS wrote it (while it is in cache, no whole C is allocated), except when
     the epilogue reads C out of its row order (here a transpose), which waits for all of C.
-    600 rows on two threads: two blocks of 300, each in sub-blocks of 256 and 44."""
+    600 rows on two threads: two blocks of 300, each in sub-blocks of 64 rows and a last of 44
+    (B is small: C's blocks are kept small, but never under GEMM_MIN_ROWS rows)."""
     x, w, b = torch.randn(600, 96), torch.randn(96, 80), torch.randn(80)
     fns = {"rows": lambda x: torch.relu(x @ w + b),
            "transposed": lambda x: (x @ w).t() * 2 + b[:, None] * 0 + 1}
@@ -105,8 +106,24 @@ def test_parallel_gemm_splits_rows_and_matches(local_pipeline):
         bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
         src = [k.source for k in bundle.kernels if k.kind == "gemm"][0]
         assert "prange" in src
-        assert ("ct = np.empty" in src) == (name == "rows"), (name, src)
+        assert ("ct = np.empty((64, 80)" in src) == (name == "rows"), (name, src)
         assert torch.allclose(compiled(x), fn(x), rtol=1e-4, atol=1e-4), name
+
+
+def test_convolution_packs_its_rows_in_small_blocks_and_matches(local_pipeline):
+    """A convolution's GEMM reads A through an im2col view: each sub-block of rows is packed
+    just before BLAS reads it. Its B (72 x 8) is small, so the sub-blocks are short (64 rows,
+    the fewest a block has; the epilogue writes NCHW, out of C's row order, so C is whole); 968 rows on two
+    threads end in partial sub-blocks."""
+    conv = torch.nn.Conv2d(8, 8, 3).eval()
+    x = torch.randn(2, 8, 24, 24)
+    fn = lambda x: torch.relu(conv(x))  # noqa: E731
+    compiled = kiln.compile(Fn(fn), (x,), pipeline=local_pipeline, candidates=1)
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+    src = [k.source for k in bundle.kernels if k.kind == "gemm"][0]
+    assert "at = np.empty((64, 72)" in src, src  # 16 KB of packed A would be 56 rows: 64 at least
+    with torch.no_grad():
+        assert torch.allclose(compiled(x), fn(x), rtol=1e-4, atol=1e-4)
 
 
 def test_long_view_chain_with_search_off_compiles_and_matches(local_pipeline):
