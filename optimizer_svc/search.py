@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from egglog import EGraph, String, set_
+from egglog import EGraph, String, i64, set_
 from egglog.pretty import pretty_decl
 
 from kiln.ir.builder import GraphBuilder
@@ -23,16 +23,18 @@ from kiln.ir.graph import Graph
 from kiln.ir.kernel import flat_preserving
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import evaluate_dim, numel
+from kiln.ir import view as view_specs
 from kiln.ir.view import ViewSpec, compose
 from kiln.telemetry import span
-from optimizer_svc.rules.algebra import algebra
 from optimizer_svc.partition import row_broadcast_axis
+from optimizer_svc.rules.algebra import algebra
 from optimizer_svc.rules.attention import attention
 from optimizer_svc.rules.matmul import is_gemm_layout, matmul
 from optimizer_svc.rules.norms import layer_norm_primitives, norms, rms_norm_primitives, softmax_primitives
 from optimizer_svc.rules.reductions import reductions
 from optimizer_svc.rules.views import views
-from optimizer_svc.terms import Term, compose_views, gemm_layout, plain_view, reduce_view, row_bcast
+from optimizer_svc.terms import (Term, compose_views, gemm_layout, merge_axis, merge_in, merge_out, plain_view,
+                                 reduce_view, row_bcast, shape_of)
 
 _UNARY = {Op.EXP2: Term.exp2, Op.LOG2: Term.log2, Op.SIN: Term.sin, Op.SQRT: Term.sqrt, Op.RECIP: Term.recip}
 _BINARY = {Op.ADD: Term.add, Op.MUL: Term.mul, Op.MOD: Term.mod, Op.LESS_THAN: Term.less_than}
@@ -149,6 +151,21 @@ class _Encoder:
         eg.register(set_(compose_views(inner, outer)).to(String(self.spec_key(c))))
         return True
 
+    def register_merge(self, eg: EGraph, x, shape, a: int, b: int) -> None:
+        """Enter x's shape and the reshapes that merge reduced axes a then b of it, when the
+        axes are adjacent, static and not of size 1 (rules/reductions.py)."""
+        if abs(a - b) != 1 or not all(isinstance(d, int) for d in shape) or 1 in (shape[a], shape[b]):
+            return
+        key = ",".join(map(str, shape))
+        lo = min(a, b)
+        merged = tuple(shape[:lo]) + (shape[lo] * shape[lo + 1],) + tuple(shape[lo + 2:])
+        reduced = tuple(1 if j == lo else d for j, d in enumerate(merged))
+        out = tuple(1 if j in (a, b) else d for j, d in enumerate(shape))
+        eg.register(set_(shape_of(x)).to(String(key)),
+                    set_(merge_in(key, a, b)).to(String(self.spec_key(view_specs.reshape(tuple(shape), merged)))),
+                    set_(merge_axis(key, a, b)).to(i64(lo)),
+                    set_(merge_out(key, a, b)).to(String(self.spec_key(view_specs.reshape(reduced, out)))))
+
     def register_gemm_layout(self, eg: EGraph, a: str, b: str, axis: int) -> bool:
         if (a, b, axis) in self.gemm_checked:
             return False
@@ -180,6 +197,9 @@ def _saturate(g: Graph, limits: SearchLimits, eg: EGraph) -> tuple[Graph, Search
             refs.append(eg.let(f"n{i}", enc.term(n, [refs[j] for j in n.inputs])))
             if n.op is Op.VIEW and g.nodes[n.inputs[0]].op is Op.VIEW:
                 enc.register_composition(eg, g.nodes[n.inputs[0]].view.key(), n.view.key())
+            inner = g.nodes[n.inputs[0]] if n.inputs else None
+            if n.op in GroupOp.Reduce and inner.op is n.op:  # a reduction of a reduction
+                enc.register_merge(eg, refs[inner.inputs[0]], g.nodes[inner.inputs[0]].shape, inner.axis, n.axis)
         for k, o in enumerate(g.outputs):
             eg.register(Term.output(k, refs[o]))
         enc.flush_tables(eg)

@@ -82,6 +82,26 @@ def reduce_view(spec: StringLike, axis: i64Like) -> String:
     broadcast specs the graph contains."""
 
 
+@function
+def shape_of(x: Term) -> String:
+    """The static shape of a node the graph had ("d0,d1,..."), entered from Python."""
+
+
+@function
+def merge_in(shape: StringLike, a: i64Like, b: i64Like) -> String:
+    """The reshape of a tensor of `shape` that merges the adjacent axes a and b (filled from Python)."""
+
+
+@function
+def merge_axis(shape: StringLike, a: i64Like, b: i64Like) -> i64:
+    """The merged axis of merge_in."""
+
+
+@function
+def merge_out(shape: StringLike, a: i64Like, b: i64Like) -> String:
+    """The reshape of the merged reduction's result back to `shape` with axes a and b of size 1."""
+
+
 # (view spec a, view spec b, axis) whose sum_reduce(mul(view a, view b), axis) is a GEMM (filled from Python)
 gemm_layout = relation("gemm_layout", String, String, i64)
 

@@ -61,6 +61,10 @@ RULES = [
      "Term.mul(Term.mul(x, Term.view(Term.const(a, d), s)), Term.view(Term.const(b, d), s))"),
     ("add_chain", lambda b, x, y: b.binary(Op.ADD, b.binary(Op.ADD, x, _c(b, 2.0, x)), _c(b, 5.0, x)),
      "Term.add(Term.add(x, Term.view(Term.const(a, d), s)), Term.view(Term.const(b, d), s))"),
+    ("merge_reduced_axes_sum", lambda b, x, y: b.reduce(Op.SUM_REDUCE, b.reduce(Op.SUM_REDUCE, x, 1), 0),
+     "Term.sum_reduce(Term.sum_reduce(x, k), j)"),
+    ("merge_reduced_axes_max", lambda b, x, y: b.reduce(Op.MAX_REDUCE, b.reduce(Op.MAX_REDUCE, x, 0), 1),
+     "Term.max_reduce(Term.max_reduce(x, k), j)"),
     ("compose_views", lambda b, x, y: b.binary(
         Op.ADD, b.reshape(b.expand(b.reshape(b.permute(x, (1, 0)), (1, 4, 3)), (2, 4, 3)), (2, 12)),
         b.const(1.0, DType.F32, (2, 12))),

@@ -59,7 +59,10 @@ def build(steps):
             r = b.where(conds[k % len(conds)], u, v)
         elif step in ("sum", "max"):
             axis = k % 2
-            red = b.reduce(Op.SUM_REDUCE if step == "sum" else Op.MAX_REDUCE, u, axis)
+            op = Op.SUM_REDUCE if step == "sum" else Op.MAX_REDUCE
+            red = b.reduce(op, u, axis)
+            if k % 3 == 2:  # over both axes: the reductions rules merge them
+                red = b.reduce(op, red, 1 - axis)
             r = b.expand(red, SHAPE)
         elif step == "permute":
             r = b.permute(u, (1, 0))

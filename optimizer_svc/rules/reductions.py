@@ -7,20 +7,28 @@ element (softmax's max-subtraction, mean's 1/n and attention's scale all take th
 The constant on the right is the same scalar broadcast to the reduced shape; its view is the
 `reduce_view` table, filled from Python. sum(x + c) = sum(x) + n*c is not used: it changes
 the rounding of large sums, for no saving that the first rule does not already give.
+
+Merging reduced axes: a reduction over axis a of a reduction over an adjacent axis b is one
+reduction over the two axes merged by a reshape (a mean over H and W is one loop over H*W,
+the inner reduction's intermediate gone). The reshapes come from the `merge_in`, `merge_axis`
+and `merge_out` tables, filled from Python for the shapes the graph's nodes have (`shape_of`).
+Splitting an axis is the same rewrite read backwards; extraction never prefers it, as it
+only adds work, so it is not entered.
 """
 
 from __future__ import annotations
 
 from egglog import String, eq, f64, i64, ne, rule, ruleset, union, var
 
-from optimizer_svc.terms import Term, reduce_view
+from optimizer_svc.terms import Term, merge_axis, merge_in, merge_out, reduce_view, shape_of
 
 reductions = ruleset(name="reductions")
 
 _x, _e = var("x", Term), var("e", Term)
 _a = var("a", f64)
 _d, _s, _r = var("d", String), var("s", String), var("r", String)
-_k = var("k", i64)
+_k, _j, _m = var("k", i64), var("j", i64), var("m", i64)
+_sh, _si, _so = var("sh", String), var("si", String), var("so", String)
 
 
 def _bcast(spec):
@@ -40,4 +48,8 @@ reductions.register(
     _commute(Term.max_reduce, Term.add, False), _commute(Term.max_reduce, Term.add, True),
     _commute(Term.max_reduce, Term.mul, False, _a > f64(0.0)),
     _commute(Term.max_reduce, Term.mul, True, _a > f64(0.0)),
+    *(rule(eq(_e).to(reduce(reduce(_x, _k), _j)), eq(_sh).to(shape_of(_x)), eq(_si).to(merge_in(_sh, _k, _j)),
+           eq(_m).to(merge_axis(_sh, _k, _j)), eq(_so).to(merge_out(_sh, _k, _j)))
+      .then(union(_e).with_(Term.view(reduce(Term.view(_x, _si), _m), _so)))
+      for reduce in (Term.sum_reduce, Term.max_reduce)),
 )
