@@ -61,6 +61,10 @@ RULES = [
      "Term.mul(Term.mul(x, Term.view(Term.const(a, d), s)), Term.view(Term.const(b, d), s))"),
     ("add_chain", lambda b, x, y: b.binary(Op.ADD, b.binary(Op.ADD, x, _c(b, 2.0, x)), _c(b, 5.0, x)),
      "Term.add(Term.add(x, Term.view(Term.const(a, d), s)), Term.view(Term.const(b, d), s))"),
+    ("fold_less_than", lambda b, x, y: b.where(b.binary(Op.LESS_THAN, _c(b, 2.0, x), _c(b, 3.0, x)), x, y),
+     "Term.less_than(Term.view(Term.const(a, d), s), Term.view(Term.const(b, d), s))"),
+    ("fold_not_less_than", lambda b, x, y: b.where(b.binary(Op.LESS_THAN, _c(b, 3.0, x), _c(b, 3.0, x)), x, y),
+     "Term.less_than(Term.view(Term.const(a, d), s), Term.view(Term.const(b, d), s))"),
     ("merge_reduced_axes_sum", lambda b, x, y: b.reduce(Op.SUM_REDUCE, b.reduce(Op.SUM_REDUCE, x, 1), 0),
      "Term.sum_reduce(Term.sum_reduce(x, k), j)"),
     ("merge_reduced_axes_max", lambda b, x, y: b.reduce(Op.MAX_REDUCE, b.reduce(Op.MAX_REDUCE, x, 0), 1),
@@ -173,6 +177,17 @@ def test_bool_constants_are_not_folded_arithmetically():
     opt, _ = saturate(g, SearchLimits())
     inputs = {"x": np.ones(SHAPE, np.float32), "y": np.zeros(SHAPE, np.float32)}
     np.testing.assert_array_equal(evaluate(opt, inputs, {})[0], evaluate(g, inputs, {})[0])
+
+
+@pytest.mark.parametrize("a,c", [(float("nan"), 1.0), (1.0, float("nan")), (float("-inf"), float("inf"))])
+def test_comparison_of_constants_folds_as_ieee_compares(a, c):
+    """NaN compares false whichever side it is on, and -inf < inf: the folded select picks
+    what the unfolded one picks."""
+    g = _graph(lambda b, x, y: b.where(b.binary(Op.LESS_THAN, _c(b, a, x), _c(b, c, x)), x, y))
+    opt, _ = saturate(g, SearchLimits())
+    inputs = {"x": np.ones(SHAPE, np.float32), "y": np.zeros(SHAPE, np.float32)}
+    np.testing.assert_array_equal(evaluate(opt, inputs, {})[0], evaluate(g, inputs, {})[0])
+    assert not any(n.op is Op.LESS_THAN for n in opt.nodes) or a != a or c != c
 
 
 def _deep_chain(b, x, y):

@@ -1,5 +1,5 @@
-"""Algebra: identities, constant folding, folding of scalar constant chains, and distributing a
-shared scalar factor.
+"""Algebra: identities, constant folding (arithmetic, comparisons, selects on a constant
+condition), folding of scalar constant chains, and distributing a shared scalar factor.
 
 Constants are scalars broadcast by a View; a rule that folds two constants requires both to
 be broadcast by the same spec, so the folded constant has the same shape. Bool constants are
@@ -24,6 +24,10 @@ def bcast(value, dtype=d, spec=s):
     return Term.view(Term.const(value, dtype), spec)
 
 
+def _not_nan(*values):
+    return [v <= f64(float("inf")) for v in values]
+
+
 algebra.register(
     # identities
     rewrite(Term.mul(x, bcast(1.0))).to(x),
@@ -39,6 +43,12 @@ algebra.register(
     rewrite(Term.add(Term.const(a, d), Term.const(b, d))).to(Term.const(a + b, d), ne(d).to(String("bool"))),
     rewrite(Term.mul(Term.const(a, d), Term.const(b, d))).to(Term.const(a * b, d), ne(d).to(String("bool"))),
     rewrite(Term.recip(bcast(a))).to(bcast(f64(1.0) / a), ne(a).to(f64(0.0)), eq(d).to(String("f32"))),
+    # comparisons and selects of constants. egglog orders f64 totally (NaN above +inf), where
+    # IEEE compares NaN false both ways: a comparison with a NaN is never folded
+    rewrite(Term.less_than(bcast(a), bcast(b))).to(bcast(1.0, String("bool")), a < b, *_not_nan(a, b)),
+    rewrite(Term.less_than(bcast(a), bcast(b))).to(bcast(0.0, String("bool")), a >= b, *_not_nan(a, b)),
+    rewrite(Term.where(bcast(1.0, String("bool")), x, y)).to(x),
+    rewrite(Term.where(bcast(0.0, String("bool")), x, y)).to(y),
     # scalar chains: (x * a) * b -> x * (a*b), (x + a) + b -> x + (a+b)
     rewrite(Term.mul(Term.mul(x, bcast(a)), bcast(b))).to(Term.mul(x, bcast(a * b)), ne(d).to(String("bool"))),
     rewrite(Term.add(Term.add(x, bcast(a)), bcast(b))).to(Term.add(x, bcast(a + b)), ne(d).to(String("bool"))),
