@@ -6,7 +6,7 @@ from kiln import cache
 from kiln.digest import Digest
 from kiln.errors import FailedPrecondition, InvalidArgument
 from kiln.ir.kernel import kernel_graph_from_pb
-from kiln.ir.serialize import dim_to_pb, dtype_to_pb, tensor_spec_to_pb
+from kiln.ir.serialize import dim_to_pb, dtype_to_pb, graph_to_pb, tensor_spec_to_pb
 from kiln.store import BlobStore
 from kiln.telemetry import span
 from kiln.v1 import ir_pb2
@@ -48,6 +48,8 @@ def emit(store: BlobStore, kg_d: Digest, target: str = "cpu") -> tuple[Digest, i
     bundle.weight_names.extend(t.name for t in g.weights)
     for name, lo, hi in g.symbols:
         bundle.symbols.add(name=name, min=lo, max=hi)
+    if kg.prepare is not None:
+        bundle.prepare.CopyFrom(graph_to_pb(kg.prepare))
     for slot in prog.memory.slots:
         p = bundle.memory.slots.add(slot=slot.slot, dtype=dtype_to_pb(slot.dtype))
         dim_to_pb(slot.elements, p.elements)

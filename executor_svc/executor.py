@@ -25,7 +25,8 @@ from kiln.digest import Digest
 from kiln.errors import FailedPrecondition, InvalidArgument, NotFound
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import TensorSpec
-from kiln.ir.serialize import dtype_from_pb, tensor_spec_from_pb
+from kiln.ir.evaluate import evaluate
+from kiln.ir.serialize import dtype_from_pb, graph_from_pb, tensor_spec_from_pb
 from kiln.ir.kernel import kernel_named_by_content
 from kiln.ir.shape import Sym, evaluate_dim, format_shape
 from kiln.store import BlobStore
@@ -147,6 +148,21 @@ class Session:
         self.static_outputs = static(self.outputs)
 
 
+def prepare_weights(bundle, read) -> dict[str, np.ndarray]:
+    """The derived weights of the bundle's prepare graph (optimizer_svc/fold.py), computed from
+    the model's weights that `read` returns."""
+    try:
+        prepare = graph_from_pb(bundle.prepare)
+    except ValueError as e:
+        raise InvalidArgument(f"bundle's prepare graph is malformed: {e}") from e
+    if prepare.inputs or prepare.symbols:
+        raise InvalidArgument("bundle's prepare graph reads more than weights")
+    with child_span("executor.prepare", **{"kiln.derived_weights": len(prepare.outputs)}):
+        given = {t.name: read(t).reshape(t.shape) for t in prepare.weights}
+        outs = evaluate(prepare, {}, given)
+    return dict(zip(prepare.output_names, outs))
+
+
 class Executor:
     def __init__(self, store: BlobStore):
         self.store = store
@@ -162,17 +178,29 @@ class Executor:
                 raise FailedPrecondition(f"bundle {bundle_d} targets {bundle.target!r}; this executor runs cpu")
             manifest = self.store.get_message(manifest_d, ir_pb2.WeightManifest)
             entries = {w.name: w for w in manifest.weights}
-            weights = []
-            for t in bundle.weights:
-                spec = tensor_spec_from_pb(t)
+
+            def read(spec: TensorSpec) -> np.ndarray:
                 e = entries.get(spec.name)
                 if e is None:
                     raise InvalidArgument(f"manifest {manifest_d} has no weight {spec.name!r} that the bundle binds")
                 if tuple(e.shape) != tuple(spec.shape) or dtype_from_pb(e.dtype) is not spec.dtype:
                     raise InvalidArgument(f"weight {spec.name!r}: manifest has {list(e.shape)}, bundle expects "
                                           f"{spec.dtype.value}{format_shape(spec.shape)}")
-                data = self.store.get(Digest.from_pb(e.digest))
-                weights.append(kernel_array(np.frombuffer(data, dtype=spec.dtype.numpy).copy()))
+                return np.frombuffer(self.store.get(Digest.from_pb(e.digest)), dtype=spec.dtype.numpy)
+
+            derived = prepare_weights(bundle, read) if bundle.HasField("prepare") else {}
+            weights = []
+            for t in bundle.weights:
+                spec = tensor_spec_from_pb(t)
+                if spec.name in derived:
+                    w = derived[spec.name]
+                    if tuple(w.shape) != tuple(spec.shape) or w.dtype != spec.dtype.numpy:
+                        raise InvalidArgument(f"bundle's prepare graph makes {spec.name!r} as {w.dtype}"
+                                              f"{list(w.shape)}, the program reads {spec.dtype.value}"
+                                              f"{format_shape(spec.shape)}")
+                else:
+                    w = read(spec)
+                weights.append(kernel_array(np.ascontiguousarray(w).reshape(-1).copy()))
             mod = load_bundle_module(bundle_d, bundle)
             return Session(uuid.uuid4().hex, bundle_d, getattr(mod, bundle.entry),
                            tuple(tensor_spec_from_pb(t) for t in bundle.inputs),

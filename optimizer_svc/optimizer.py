@@ -17,6 +17,7 @@ from kiln.store import BlobStore
 from kiln.telemetry import span
 from kiln.v1 import ir_pb2, services_pb2
 from optimizer_svc.cost import predict
+from optimizer_svc.fold import hoist
 from optimizer_svc.partition import DEFAULT_SCHEDULE, SCHEDULE_GRID, Schedule, partition, with_parallel
 from optimizer_svc.regions import RegionCycle, assemble, canonical, split
 from optimizer_svc.search import SearchLimits, SearchReport, graph_cost, saturate
@@ -149,12 +150,15 @@ def optimize(store: BlobStore, graph_d: Digest, options: OptimizeOptions,
             optimized, rep, dedup = saturate_regions(store, graph, limits)
         else:
             optimized, rep, dedup = graph, SearchReport(stop_reason="search off"), RegionStats()
+        optimized, prepare = hoist(optimized)  # weight-only work: done at Load, not per run
         profile = (store.get_message(options.target_profile, services_pb2.TargetProfile)
                    if options.target_profile is not None else None)
-        cands = candidates(optimized, options, profile)
+        cands = [(schedule, dataclasses.replace(kg, prepare=prepare), costs)
+                 for schedule, kg, costs in candidates(optimized, options, profile)]
         s.set_attribute("kiln.stop_reason", rep.stop_reason)
         s.set_attribute("kiln.cost_before", graph_cost(graph))
         s.set_attribute("kiln.cost_after", graph_cost(optimized))
+        s.set_attribute("kiln.folded_weights", len(prepare.outputs) if prepare is not None else 0)
         s.set_attribute("kiln.kernels", len(cands[0][1].kernels))
         s.set_attribute("kiln.candidates", len(cands))
     report = services_pb2.OptimizeReport(stop_reason=rep.stop_reason, nodes_before=len(graph.nodes),

@@ -4,7 +4,7 @@ A Graph is split into regions: one per indexed submodule its nodes came from (th
 `model.layers.N`, read from each node's source), and one per connected group of the other
 compute nodes. Constants, iotas and their views are copied into every region that reads
 them; inputs, weights and other regions' values become the region's placeholders `p0, p1, ...`
-in order of first use. A region's canonical graph (placeholders, no source text) is its
+in order of first use (a weight's placeholder is a weight). A region's canonical graph (placeholders, no source text) is its
 structure: its digest keys the saturation, so the layers of a transformer are saturated once,
 and the result is kept in the action cache for every later compile and every replica. The
 optimized regions are then assembled into one Graph (partition still fuses across them).
@@ -110,8 +110,9 @@ def canonical(g: Graph, r: Region) -> Graph:
     """The region alone: placeholders for its inputs, copies of the free nodes it reads."""
     b = GraphBuilder()
     local: dict[int, int] = {}
-    for k, j in enumerate(r.inputs):
-        local[j] = b.input(f"p{k}", g.nodes[j].shape, g.nodes[j].dtype)
+    for k, j in enumerate(r.inputs):  # a weight stays a weight: the search may fold work on it
+        leaf = b.weight if g.nodes[j].op is Op.WEIGHT else b.input
+        local[j] = leaf(f"p{k}", g.nodes[j].shape, g.nodes[j].dtype)
     free = _free_nodes(g)
 
     def get(j):
@@ -156,7 +157,7 @@ def assemble(g: Graph, regions: list[Region], optimized: dict[str, Graph]) -> Gr
         og = optimized[r.name]
         local: dict[int, int] = {}
         for k, n in enumerate(og.nodes):
-            local[k] = args[int(n.name[1:])] if n.op is Op.INPUT else b.copy(n, [local[j] for j in n.inputs])
+            local[k] = args[int(n.name[1:])] if n.op in (Op.INPUT, Op.WEIGHT) else b.copy(n, [local[j] for j in n.inputs])
         for old, k in zip(r.outputs, og.outputs):
             new[old] = local[k]
         state[r.name] = "done"

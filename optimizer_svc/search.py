@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from egglog import EGraph, String, i64, set_
+from egglog import EGraph, String, i64, set_, union
 from egglog.pretty import pretty_decl
 
 from kiln.ir.builder import GraphBuilder
@@ -29,11 +29,12 @@ from kiln.telemetry import span
 from optimizer_svc.partition import row_broadcast_axis
 from optimizer_svc.rules.algebra import algebra
 from optimizer_svc.rules.attention import attention
-from optimizer_svc.rules.matmul import is_gemm_layout, matmul
+from optimizer_svc.rules.matmul import GemmMember, bias_member, gemm_merge, is_gemm_layout, matmul, merged_bias_tables
 from optimizer_svc.rules.norms import layer_norm_primitives, norms, rms_norm_primitives, softmax_primitives
 from optimizer_svc.rules.reductions import reductions
 from optimizer_svc.rules.views import views
-from optimizer_svc.terms import (Term, compose_views, gemm_layout, merge_axis, merge_in, merge_out, plain_view,
+from optimizer_svc.terms import (Term, bias_group, compose_views, gemm_layout, member_slice, merge_axis, merge_group, merge_in,
+                                 merge_out, merged_bias, merged_bias_view, merged_operand, merged_weight, merged_weight_view, plain_view,
                                  reduce_view, row_bcast, shape_of)
 
 _UNARY = {Op.EXP2: Term.exp2, Op.LOG2: Term.log2, Op.SIN: Term.sin, Op.SQRT: Term.sqrt, Op.RECIP: Term.recip}
@@ -42,6 +43,8 @@ _BY_NAME = {"Term." + n: n for n in ("input", "weight", "const", "view", "exp2",
                                       "add", "mul", "mod", "less_than", "where", "sum_reduce", "max_reduce",
                                       "iota", "gather", "scatter", "cast", "gemm", "softmax", "rms_norm",
                                       "layer_norm", "attention", "output")}
+_BY_NAME.update(merged_weight="merged_weight", merged_bias="merged_weight")  # rules/matmul.py: name a
+# concatenation, never extracted
 
 
 @dataclass
@@ -76,6 +79,11 @@ class _Encoder:
         self.shapes: dict[str, tuple] = {}
         self.composed: set[tuple[str, str]] = set()
         self.gemm_checked: set[tuple[str, str, int]] = set()
+        self.merged: set[tuple] = set()  # (weight, spec, axis, side) already in a GEMM merge group
+        self.merges = 0
+        self.merge_info: dict[str, object] = {}  # group name -> rules.matmul.GemmMerge
+        self.bias_merged: dict[str, dict] = {}  # group -> member weight -> its bias weight
+        self.bias_entries: set[tuple] = set()
         self.pending: list[str] = []  # specs whose tables are not yet in the e-graph
 
     def spec_key(self, v: ViewSpec) -> str:
@@ -165,6 +173,68 @@ class _Encoder:
                     set_(merge_in(key, a, b)).to(String(self.spec_key(view_specs.reshape(tuple(shape), merged)))),
                     set_(merge_axis(key, a, b)).to(i64(lo)),
                     set_(merge_out(key, a, b)).to(String(self.spec_key(view_specs.reshape(reduced, out)))))
+
+    def register_gemm_merges(self, eg: EGraph, groups: dict[tuple, list[GemmMember]]) -> bool:
+        """Enter the tables of each new group of GEMMs of one shared operand against weights
+        (rules/matmul.py). A member joins one group only, so each table entry is set once."""
+        added = False
+        for members in sorted(groups.values(), key=len, reverse=True):
+            members = [m for m in members if (m.weight, m.spec.key(), m.axis, m.side) not in self.merged]
+            by_layout: dict[tuple, list[GemmMember]] = {}
+            for m in sorted(members, key=lambda m: m.weight):
+                by_layout.setdefault((m.weight_shape[1:], m.spec.strides, m.axis, m.side), []).append(m)
+            for sub in by_layout.values():
+                merge = gemm_merge(f"g{self.merges}", sub)
+                if merge is None:
+                    continue
+                self.merges += 1
+                self.merge_info[merge.name] = merge
+                facts = [union(merged_weight(merge.name)).with_(self._concatenation(merge))]
+                for m in merge.members:
+                    self.merged.add((m.weight, m.spec.key(), m.axis, m.side))
+                    facts += [set_(merge_group(m.weight, m.spec.key(), m.axis, m.side)).to(String(merge.name)),
+                              set_(merged_operand(merge.name, m.weight)).to(String(self.spec_key(merge.operand[m.weight]))),
+                              set_(member_slice(merge.name, m.weight)).to(String(self.spec_key(merge.slices[m.weight])))]
+                facts.append(set_(merged_weight_view(merge.name)).to(String(self.spec_key(merge.weight_view))))
+                eg.register(*facts)
+                added = True
+        return added
+
+    def register_bias_merge(self, eg: EGraph, group: str, members: dict) -> bool:
+        """Enter the merged bias of the group, once every member is seen with its bias, and a
+        bias_group entry for each (view, bias view) pair that adds a member's bias."""
+        merge = self.merge_info[group]
+        name = f"{group}b"
+        facts = []
+        if group not in self.bias_merged:
+            tables = merged_bias_tables(merge, {w: (b, n) for w, (b, n, _) in members.items()})
+            if tables is None:
+                return False
+            self.bias_merged[group] = {w: b for w, (b, _, _) in members.items()}
+            facts += [union(merged_bias(name)).with_(self._sum_of([Term.view(Term.weight(b), self.spec_key(v))
+                                                                   for b, v in tables["pads"].items()])),
+                      set_(merged_bias_view(name)).to(String(self.spec_key(tables["view"])))]
+        for w, (b, _, pairs) in members.items():
+            if self.bias_merged[group].get(w) != b:
+                continue
+            for sv, bc in pairs:
+                if (group, sv, b, bc) not in self.bias_entries:
+                    self.bias_entries.add((group, sv, b, bc))
+                    facts.append(set_(bias_group(group, sv, b, bc)).to(String(name)))
+        if facts:
+            eg.register(*facts)
+        return bool(facts)
+
+    def _concatenation(self, merge):
+        return self._sum_of([Term.view(Term.weight(m.weight), self.spec_key(merge.pads[m.weight]))
+                             for m in merge.members])
+
+    @staticmethod
+    def _sum_of(parts):
+        out = parts[-1]
+        for p in reversed(parts[:-1]):
+            out = Term.add(p, out)
+        return out
 
     def register_gemm_layout(self, eg: EGraph, a: str, b: str, axis: int) -> bool:
         if (a, b, axis) in self.gemm_checked:
@@ -277,8 +347,35 @@ def _register_facts(eg: EGraph, enc: _Encoder, ser: dict) -> bool:
         return [k for m in by_class.get(cls, []) if m["op"] == "Term.view"
                 for k in [_literal(nodes[m["children"][1]])] if k in enc.specs]
 
+    def weight_views(cls: str) -> list[tuple[str, str]]:  # (weight name, spec) of views of a weight
+        out = []
+        for m in by_class.get(cls, []):
+            if m["op"] == "Term.view":
+                k = _literal(nodes[m["children"][1]])
+                for leaf in by_class.get(nodes[m["children"][0]]["eclass"], []):
+                    if leaf["op"] == "Term.weight" and k in enc.specs:
+                        out.append((_literal(nodes[leaf["children"][0]]), k))
+        return out
+
+    weight_shape = {t.name: tuple(t.shape) for t in enc.g.weights}
+    # GEMMs against a weight, by the source of their other operand's broadcast view
+    groups: dict[tuple, list[GemmMember]] = {}
     added = False
     for n in nodes.values():
+        if n["op"] == "Term.gemm":
+            kids = [nodes[c]["eclass"] for c in n["children"][:2]]
+            axis = _literal(nodes[n["children"][2]])
+            for side in (0, 1):
+                for w, k in weight_views(kids[side]):
+                    if w not in weight_shape:
+                        continue
+                    for m in by_class.get(kids[1 - side], []):
+                        if m["op"] != "Term.view" or _literal(nodes[m["children"][1]]) not in enc.specs:
+                            continue
+                        shared = enc.specs[_literal(nodes[m["children"][1]])]
+                        group = groups.setdefault((nodes[m["children"][0]]["eclass"], axis, side), [])
+                        if all(x.weight != w for x in group):
+                            group.append(GemmMember(w, weight_shape[w], enc.specs[k], axis, side, shared))
         if n["op"] == "Term.view":
             outer_key = _literal(nodes[n["children"][1]])
             if outer_key in enc.specs:
@@ -292,6 +389,55 @@ def _register_facts(eg: EGraph, enc: _Encoder, ser: dict) -> bool:
                     for sa in view_specs(ca):
                         for sb in view_specs(cb):
                             added |= enc.register_gemm_layout(eg, sa, sb, axis)
+    added |= enc.register_gemm_merges(eg, groups)
+    added |= _register_bias_merges(eg, enc, nodes, by_class)
+    return added
+
+
+def _register_bias_merges(eg: EGraph, enc: _Encoder, nodes: dict, by_class: dict) -> bool:
+    """For each merged GEMM whose members' results each get a bias weight added (through any
+    views), enter the tables of the merged bias (rules/matmul.py)."""
+    if not enc.merge_info:
+        return False
+    weight_shape = {t.name: tuple(t.shape) for t in enc.g.weights}
+    group_of_class = {n["eclass"]: _literal(nodes[n["children"][0]]) for n in nodes.values()
+                      if n["op"] == "merged_weight"}
+    merged_class: dict[str, str] = {}  # e-class of a merged GEMM's result -> its group
+    for n in nodes.values():
+        if n["op"] == "Term.gemm":
+            for ch in n["children"][:2]:
+                for m in by_class.get(nodes[ch]["eclass"], []):
+                    if m["op"] == "Term.view" and nodes[m["children"][0]]["eclass"] in group_of_class:
+                        merged_class[n["eclass"]] = group_of_class[nodes[m["children"][0]]["eclass"]]
+    reads: dict[str, list[tuple[str, str]]] = {}  # e-class -> (group, view spec) of views of a merged result
+    for n in nodes.values():
+        if n["op"] == "Term.view" and nodes[n["children"][0]]["eclass"] in merged_class:
+            spec = _literal(nodes[n["children"][1]])
+            if spec in enc.specs:
+                reads.setdefault(n["eclass"], []).append((merged_class[nodes[n["children"][0]]["eclass"]], spec))
+    found: dict[str, dict] = {}  # group -> member weight -> (bias, length, [(view, bias view)])
+    for n in nodes.values():
+        if n["op"] != "Term.add":
+            continue
+        kids = [nodes[c]["eclass"] for c in n["children"]]
+        for side in (0, 1):
+            for group, sv in reads.get(kids[1 - side], []):
+                for m in by_class.get(kids[side], []):
+                    if m["op"] != "Term.view" or _literal(nodes[m["children"][1]]) not in enc.specs:
+                        continue
+                    bc = _literal(nodes[m["children"][1]])
+                    for leaf in by_class.get(nodes[m["children"][0]]["eclass"], []):
+                        b = _literal(nodes[leaf["children"][0]]) if leaf["op"] == "Term.weight" else None
+                        if b not in weight_shape or len(weight_shape[b]) != 1:
+                            continue
+                        w = bias_member(enc.merge_info[group], enc.specs[sv], enc.specs[bc], weight_shape[b][0])
+                        if w is not None:
+                            entry = found.setdefault(group, {}).setdefault(w, (b, weight_shape[b][0], []))
+                            if entry[0] == b:
+                                entry[2].append((sv, bc))
+    added = False
+    for group, members in found.items():
+        added |= enc.register_bias_merge(eg, group, members)
     return added
 
 
@@ -342,6 +488,8 @@ def _enode_cost(n: dict, cls: str, nodes: dict, elements: dict[str, int]) -> flo
     operand views); attention, those of P · V less what not writing P saves."""
     name = _BY_NAME[n["op"]]
     kids = [nodes[ch]["eclass"] for ch in n["children"] if nodes[ch]["op"] in _BY_NAME]
+    if name == "merged_weight":
+        return float("inf")
     if name == "gemm":
         return _node_cost(name, elements.get(kids[0], 1))
     if name == "attention":
@@ -366,6 +514,8 @@ def _class_elements(g: Graph, enc: "_Encoder", nodes: dict, classes: dict[str, l
                 name = _BY_NAME[n["op"]]
                 kids = [nodes[ch]["eclass"] for ch in n["children"] if nodes[ch]["op"] in _BY_NAME]
                 lits = [_literal(nodes[ch]) for ch in n["children"] if nodes[ch]["op"] not in _BY_NAME]
+                if name == "merged_weight":  # a name for the class's concatenation: never built
+                    continue
                 if name in ("input", "weight"):
                     shape[cls] = tuple(leaf[lits[0]])
                 elif name == "const":
@@ -393,6 +543,98 @@ def _class_elements(g: Graph, enc: "_Encoder", nodes: dict, classes: dict[str, l
     return {c: evaluate_dim(numel(s), largest) for c, s in shape.items()}
 
 
+def _weight_only(g: Graph, enc: _Encoder, nodes: dict, classes: dict[str, list[str]],
+                 elements: dict[str, int]) -> set[str]:
+    """The e-nodes computed from weights and constants alone, at a static shape no larger than
+    all the weights together: the optimizer hoists them out of the program (fold.py), so they
+    cost nothing per run."""
+    limit = sum(evaluate_dim(numel(t.shape), {}) for t in g.weights if all(isinstance(d, int) for d in t.shape))
+    static = {c for c in classes if c in elements}
+    ok_class: set[str] = set()
+    ok_node: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for cls, members in classes.items():
+            for nid in members:
+                if nid in ok_node:
+                    continue
+                n = nodes[nid]
+                name = _BY_NAME[n["op"]]
+                if name in ("input", "iota", "merged_weight", "output"):
+                    continue
+                if name not in ("weight", "const") and (cls not in static or elements[cls] > limit):
+                    continue
+                if name == "view" and not all(isinstance(d, int) for d in enc.specs[_literal(
+                        nodes[n["children"][1]])].shape):
+                    continue
+                kids = [nodes[ch]["eclass"] for ch in n["children"] if nodes[ch]["op"] in _BY_NAME]
+                if all(k in ok_class for k in kids):
+                    ok_node.add(nid)
+                    ok_class.add(cls)
+                    changed = True
+    return ok_node
+
+
+KERNEL_CALL_COST = 2000.0  # a GEMM call's fixed cost, in element units: what sharing one GEMM saves
+NODE_COST = 0.01  # per op of the program: between programs of equal work, the one with fewer ops
+
+
+def _share(nodes: dict, classes: dict[str, list[str]], choice: dict[str, str], own: dict[str, float],
+           folded: set[str], roots: list[str]) -> dict[str, str]:
+    """Improve the per-e-class choice where e-classes can share one value: for each e-class S read
+    through views by several e-classes (a merged GEMM's slices), choose those views for all of
+    them at once, and keep the change when the whole program (each e-class counted once, each
+    GEMM call at KERNEL_CALL_COST, each op at NODE_COST) gets cheaper."""
+    def kids(nid):
+        return [nodes[ch]["eclass"] for ch in nodes[nid]["children"] if nodes[ch]["eclass"] in classes]
+
+    def dag_cost(ch: dict[str, str]) -> float:
+        total, state, stack = 0.0, {}, [(r, False) for r in roots]
+        while stack:
+            c, done = stack.pop()
+            if done:
+                state[c] = 2
+                continue
+            if state.get(c) == 2:
+                continue
+            if state.get(c) == 1:
+                return float("inf")  # a cycle through the new choices
+            state[c] = 1
+            nid = ch[c]
+            total += own[nid]
+            if nid not in folded:
+                total += NODE_COST
+                if _BY_NAME[nodes[nid]["op"]] in ("gemm", "attention"):
+                    total += KERNEL_CALL_COST
+            stack.append((c, True))
+            stack.extend((k, False) for k in kids(nid) if state.get(k) != 2)
+        return total
+
+    readers: dict[str, list[tuple[str, str]]] = {}
+    for cls, members in classes.items():
+        for nid in members:
+            if nodes[nid]["op"] == "Term.view":
+                src = nodes[nodes[nid]["children"][0]]["eclass"]
+                if src != cls:
+                    readers.setdefault(src, []).append((cls, nid))
+    # e-classes of GEMMs, and of elementwise epilogues on them (a merged GEMM's bias)
+    gemms = {c for c, members in classes.items() if any(_BY_NAME[nodes[m]["op"]] in ("gemm", "attention")
+                                                         for m in members)}
+    epilogues = {c for c, members in classes.items() if any(
+        nodes[m]["op"] in ("Term.add", "Term.mul") and set(kids(m)) & gemms for m in members)}
+    shared = sorted(s for s, r in readers.items() if len({c for c, _ in r}) >= 2 and s in gemms | epilogues)
+    cost = dag_cost(choice)
+    for s in shared:
+        trial = dict(choice)
+        for cls, nid in readers[s]:
+            trial[cls] = nid
+        c = dag_cost(trial)
+        if c < cost - 1e-9:
+            choice, cost = trial, c
+    return choice
+
+
 def _extract(g: Graph, enc: _Encoder, ser: dict) -> Graph:
     nodes = ser["nodes"]
     classes: dict[str, list[str]] = {}
@@ -400,6 +642,9 @@ def _extract(g: Graph, enc: _Encoder, ser: dict) -> Graph:
         if n["op"] in _BY_NAME and n["op"] != "Term.output":
             classes.setdefault(n["eclass"], []).append(nid)
     elements = _class_elements(g, enc, nodes, classes)
+    folded = _weight_only(g, enc, nodes, classes, elements)
+    own = {nid: 0.0 if nid in folded else _enode_cost(nodes[nid], cls, nodes, elements)
+           for cls, members in classes.items() for nid in members}
     best: dict[str, tuple[float, str]] = {}
     changed = True
     while changed:
@@ -407,7 +652,7 @@ def _extract(g: Graph, enc: _Encoder, ser: dict) -> Graph:
         for cls, members in classes.items():
             for nid in members:
                 n = nodes[nid]
-                total = _enode_cost(n, cls, nodes, elements)
+                total = own[nid]
                 ok = True
                 for ch in n["children"]:
                     ccls = nodes[ch]["eclass"]
@@ -422,6 +667,7 @@ def _extract(g: Graph, enc: _Encoder, ser: dict) -> Graph:
     # Term.output(k, x) nodes mark the e-class of output k
     out_class = {_literal(nodes[n["children"][0]]): nodes[n["children"][1]]["eclass"]
                  for n in nodes.values() if n["op"] == "Term.output"}
+    choice = _share(nodes, classes, {c: nid for c, (_, nid) in best.items()}, own, folded, list(out_class.values()))
     b = GraphBuilder()
     for t in g.inputs:
         b.input(t.name, t.shape, t.dtype)
@@ -438,7 +684,7 @@ def _extract(g: Graph, enc: _Encoder, ser: dict) -> Graph:
             c, ready = stack.pop()
             if c in built:
                 continue
-            nid = best[c][1]
+            nid = choice[c]
             n = nodes[nid]
             kids = [nodes[ch]["eclass"] for ch in n["children"] if nodes[ch]["eclass"] in classes]
             if not ready:

@@ -102,6 +102,49 @@ def merge_out(shape: StringLike, a: i64Like, b: i64Like) -> String:
     """The reshape of the merged reduction's result back to `shape` with axes a and b of size 1."""
 
 
+@function
+def merge_group(weight: StringLike, spec: StringLike, axis: i64Like, side: i64Like) -> String:
+    """The group of GEMMs sharing an operand that the GEMM of weight (through view spec, along
+    axis, as operand `side`) belongs to (rules/matmul.py; filled from Python)."""
+
+
+@function
+def merged_operand(group: StringLike, weight: StringLike) -> String:
+    """The view that broadcasts a member's shared operand to the merged GEMM's shape."""
+
+
+@function
+def merged_weight_view(group: StringLike) -> String:
+    """The merged GEMM's view of the concatenated weights."""
+
+
+@function
+def member_slice(group: StringLike, weight: StringLike) -> String:
+    """The view of the merged GEMM's result that is the member's result."""
+
+
+@function
+def merged_weight(group: StringLike) -> Term:
+    """The group's weights concatenated along their first axis (unioned from Python with the sum
+    of their zero-padded views); weight-only, so computed once when a session loads."""
+
+
+@function
+def bias_group(group: StringLike, view: StringLike, bias: StringLike, spec: StringLike) -> String:
+    """The merged bias of GEMM merge `group` when the bias weight (through view spec) added to
+    the merged result read through `view` is a member's bias (rules/matmul.py; filled from Python)."""
+
+
+@function
+def merged_bias_view(group: StringLike) -> String:
+    """The view broadcasting the concatenated biases over the merged GEMM's result."""
+
+
+@function
+def merged_bias(group: StringLike) -> Term:
+    """The group's biases concatenated (unioned from Python with their zero-padded views' sum)."""
+
+
 # (view spec a, view spec b, axis) whose sum_reduce(mul(view a, view b), axis) is a GEMM (filled from Python)
 gemm_layout = relation("gemm_layout", String, String, i64)
 

@@ -6,6 +6,7 @@ import torch
 
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
+from kiln.ir import view as view_specs
 from kiln.ir.evaluate import evaluate
 from kiln.ir.ops import Op
 from optimizer_svc.partition import Schedule, partition
@@ -362,3 +363,116 @@ def test_kernel_rules_need_their_whole_form():
     opt, _ = saturate(g, SearchLimits())
     assert [n.kernel for n in opt.nodes if n.kernel] == ["gemm"]
     assert "gemm" not in [k.kind for k in partition(opt).kernels] and "reduce" in [k.kind for k in partition(opt).kernels]
+
+
+class _SharedInput(torch.nn.Module):
+    """Q/K/V projections (different widths, K and V alike) and a gate/up pair of one input."""
+
+    def __init__(self, bias=False):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(8, n, bias=bias) for n in (6, 4, 4))
+        self.gate, self.up = torch.nn.Linear(8, 10, bias=False), torch.nn.Linear(8, 10, bias=False)
+
+    def forward(self, x, y):
+        h = torch.nn.functional.silu(self.gate(y)) * self.up(y)
+        return self.q(x).sum(-1, keepdim=True) * self.k(x)[..., :1] + self.v(x)[..., 1:2], h
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemms_sharing_an_input_merge_into_one_wider_gemm(bias):
+    """Q/K/V and gate/up become one GEMM each against concatenated weights; the concatenation
+    is hoisted out of the program into the prepare graph, and both together compute what
+    torch computes."""
+    from importer_svc.importer import lower_program
+    from optimizer_svc.fold import hoist
+
+    torch.manual_seed(0)
+    m = _SharedInput(bias).eval()
+    args = (torch.randn(3, 8), torch.randn(5, 8))
+    g, weights = lower_program(torch.export.export(m, args))
+    opt, report = saturate(g, SearchLimits())
+    assert report.stop_reason == "saturated"
+    assert sum(v for k, v in report.rules.items() if "merge_group" in k) == 5
+    program, prepare = hoist(opt)
+    gemms = sorted(program.nodes[program.nodes[i].inputs[0]].shape for i, n in enumerate(program.nodes)
+                   if n.kernel == "gemm")
+    assert gemms == [(3, 14, 8), (5, 20, 8)]  # N = 6 + 4 + 4 and 10 + 10, one GEMM each
+    # with biases, Q/K/V's three are one bias on the merged result, concatenated once too
+    assert any("bias_group" in k for k in report.rules) == bias
+    assert {(14, 8), (20, 8)} <= {tuple(prepare.nodes[o].shape) for o in prepare.outputs}
+    assert all(n.startswith("kiln:fold:") for n in prepare.output_names)
+    assert {f"{p}.weight" for p in ("q", "k", "v", "gate", "up")} <= {t.name for t in prepare.weights}
+    # the program reads the derived weights, not the merged projections' own
+    assert not {t.name for t in program.weights} & {f"{p}.weight" for p in ("q", "k", "v", "gate", "up")}
+    feeds = {t.name: a.numpy() for t, a in zip(g.inputs, args)}
+    w = {k: v.detach().numpy() for k, v in weights.items()}
+    derived = dict(zip(prepare.output_names, evaluate(prepare, {}, w)))
+    after = evaluate(program, feeds, {**w, **derived})
+    with torch.no_grad():
+        ref = m(*args)
+    for a, r in zip(after, ref):
+        np.testing.assert_allclose(a, r.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_merge_needs_one_shared_operand_and_matching_weights():
+    """GEMMs of different inputs, or against weights that differ in more than their first axis,
+    stay separate GEMMs."""
+    from importer_svc.importer import lower_program
+
+    class TwoInputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 4, bias=False)
+
+        def forward(self, x, y):
+            return self.a(x) + self.b(y)
+
+    class Chained(torch.nn.Module):  # W2 reads W1's output: K differs, nothing is shared
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(4, 4, bias=False)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    for m, args in ((TwoInputs(), (torch.randn(3, 8), torch.randn(3, 8))), (Chained(), (torch.randn(3, 8),))):
+        g, _ = lower_program(torch.export.export(m.eval(), args))
+        opt, report = saturate(g, SearchLimits())
+        assert not any("merge_group" in k for k in report.rules)
+        assert sum(n.kernel == "gemm" for n in opt.nodes) == 2
+
+
+def test_hoist_moves_weight_only_work_to_prepare():
+    """Weight-only work (scaling a weight, then a transpose of the result) leaves the program:
+    the program reads the derived weight through the view, the prepare graph computes it, and
+    the kernel graph carries prepare through serialization and refuses one that does not match."""
+    from kiln.ir.kernel import KernelGraph, kernel_graph_from_pb, kernel_graph_to_pb
+    from optimizer_svc.fold import hoist
+
+    b = GraphBuilder()
+    x = b.input("x", (3, 4), DType.F32)
+    w = b.weight("w", (5, 4), DType.F32)
+    w2 = b.binary(Op.MUL, w, _c(b, 2.0, w))
+    wt = b.view(w2, view_specs.permute((5, 4), (1, 0)))
+    xb = b.view(x, view_specs.reshape((3, 4), (3, 4, 1)))
+    prod = b.binary(Op.MUL, b.view(xb, view_specs.expand((3, 4, 1), (3, 4, 5))),
+                    b.view(wt, view_specs.expand((4, 5), (3, 4, 5))))
+    out = b.reduce(Op.SUM_REDUCE, prod, 1)
+    g = b.build([out])
+    program, prepare = hoist(g)
+    assert [t.name for t in program.weights] == ["kiln:fold:0"]
+    assert not any(n.op is Op.MUL and n.shape == (5, 4) for n in program.nodes)
+    assert [t.name for t in prepare.weights] == ["w"] and prepare.output_names == ("kiln:fold:0",)
+    rng = np.random.default_rng(0)
+    xv, wv = rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal((5, 4)).astype(np.float32)
+    (derived,) = evaluate(prepare, {}, {"w": wv})
+    (got,) = evaluate(program, {"x": xv}, {"kiln:fold:0": derived})
+    (want,) = evaluate(g, {"x": xv}, {"w": wv})
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    kg = partition(program)
+    kg = KernelGraph(kg.graph, kg.kernels, prepare)
+    back = kernel_graph_from_pb(kernel_graph_to_pb(kg))
+    assert back.prepare == prepare
+    with pytest.raises(ValueError, match="derived weights"):
+        kernel_graph_from_pb(kernel_graph_to_pb(KernelGraph(kg.graph, kg.kernels, None)))
+    assert hoist(program) == (program, None)  # nothing left to hoist

@@ -28,6 +28,32 @@ class Kernel:
 class KernelGraph:
     graph: Graph
     kernels: tuple[Kernel, ...]
+    # weight-only work hoisted out of `graph` (optimizer_svc/fold.py): from the model's weights to
+    # the derived weights `graph` reads, evaluated once when a session binds its weights
+    prepare: Optional[Graph] = None
+
+
+def check_prepare(g: Graph, prepare: Optional[Graph]) -> None:
+    """The prepare graph reads weights only and produces exactly the graph's derived weights."""
+    derived = {t.name: t for t in g.weights if t.name.startswith(DERIVED_PREFIX)}
+    if prepare is None:
+        if derived:
+            raise ValueError(f"graph reads derived weights {sorted(derived)} but has no prepare graph")
+        return
+    if prepare.inputs or prepare.symbols:
+        raise ValueError("a prepare graph reads weights only")
+    made = {}
+    for name, o in zip(prepare.output_names, prepare.outputs):
+        n = prepare.nodes[o]
+        made[name] = (tuple(n.shape), n.dtype)
+    if len(made) != len(prepare.outputs) or set(made) != set(derived) or \
+            any(made[k] != (tuple(t.shape), t.dtype) for k, t in derived.items()):
+        raise ValueError("the prepare graph's outputs are not the graph's derived weights")
+    if any(t.name.startswith(DERIVED_PREFIX) for t in prepare.weights):
+        raise ValueError("a prepare graph reads the model's weights, not derived ones")
+
+
+DERIVED_PREFIX = "kiln:fold:"  # a derived weight's name: no model's weight name holds a colon
 
 
 KERNEL_KINDS = ("elementwise", "reduce", "gemm", "gather", "scatter", "row", "attention")
@@ -182,6 +208,8 @@ def kernel_graph_to_pb(kg: KernelGraph, source_graph=None):
                       parallel=k.parallel, axis=k.axis, scores=max(k.scores, 0))
     if source_graph is not None:
         p.source_graph.CopyFrom(source_graph.to_pb())
+    if kg.prepare is not None:
+        p.prepare.CopyFrom(graph_to_pb(kg.prepare))
     return p
 
 
@@ -203,4 +231,6 @@ def kernel_graph_from_pb(p) -> KernelGraph:
                 raise ValueError(f"attention kernel {k.name!r} does not name its two GEMMs and its row axis")
         kernels.append(Kernel(k.name, k.kind, tuple(k.nodes), k.output, tuple(k.reads), k.parallel, k.axis,
                               k.scores if k.kind == "attention" else -1))
-    return KernelGraph(g, tuple(kernels))
+    prepare = graph_from_pb(p.prepare) if p.HasField("prepare") else None
+    check_prepare(g, prepare)
+    return KernelGraph(g, tuple(kernels), prepare)
