@@ -12,9 +12,10 @@ the broadcast that feeds the Mul into one view, whose strides the GEMM reads dir
 
 Merging GEMMs that share an operand (Q/K/V, gate/up): GEMMs of one operand e-class against
 weights that differ only in their first (N) axis are one GEMM against the weights concatenated
-along it, each member's result a slice of the merged result; biases added to the members' results are one
-bias, their concatenation, added to the merged result (so it stays the GEMM's epilogue). The groups are found in Python
-from the e-graph (`gemm_merges`) and their views entered as tables; the rule then rewrites each
+along it, each member's result a slice of the merged result; biases added to the members'
+results are one bias, their concatenation, added to the merged result (so it stays the GEMM's
+epilogue). The groups are found in Python from the e-graph (`gemm_merge`, `bias_member`) and
+their views entered as tables; the rule then rewrites each
 member. The concatenation is weight-only work: extraction prices it at nothing and the optimizer
 hoists it out of the program, to be done once when a session loads its weights. A merged GEMM
 pays off only through sharing (one call, the shared operand read once), which a per-e-class
@@ -30,7 +31,7 @@ import numpy as np
 from egglog import String, eq, i64, rule, ruleset, union, var
 
 from kiln.ir import view as view_specs
-from kiln.ir.shape import contiguous_strides, is_static
+from kiln.ir.shape import contiguous_strides, is_static, numel
 from kiln.ir.view import ViewSpec
 from optimizer_svc.terms import (Term, bias_group, gemm_layout, member_slice, merge_group, merged_bias,
                                  merged_bias_view, merged_operand, merged_weight, merged_weight_view)
@@ -42,7 +43,6 @@ _sa, _sb = var("sa", String), var("sb", String)
 _k = var("k", i64)
 _w, _g, _ma, _mb, _sl, _bc, _h = (var(n, String) for n in ("w", "g", "ma", "mb", "sl", "bc", "h"))
 _p = var("p", Term)
-
 
 
 def _sides(shared, weight, side: int):
@@ -178,12 +178,12 @@ def bias_member(merge: GemmMerge, view: ViewSpec, bias_view: ViewSpec, length: i
     if (view.mask is not None or bias_view.mask is not None or not is_static(view.shape)
             or tuple(view.shape) != tuple(bias_view.shape) or not is_static(view.strides)
             or not is_static(bias_view.strides) or not isinstance(view.offset, int)
-            or not isinstance(bias_view.offset, int) or numel_of(view.shape) > MAX_BIAS_CHECK):
+            or not isinstance(bias_view.offset, int) or numel(view.shape) > MAX_BIAS_CHECK):
         return None
     idx = np.indices(tuple(view.shape), dtype=np.int64).reshape(len(view.shape), -1)
     flat = view.offset + np.asarray(view.strides, dtype=np.int64) @ idx
     at = bias_view.offset + np.asarray(bias_view.strides, dtype=np.int64) @ idx
-    size = numel_of(merge.result)
+    size = numel(merge.result)
     if flat.size == 0 or flat.min() < 0 or flat.max() >= size:
         return None
     col = (flat // contiguous_strides(merge.result)[merge.n_axis]) % merge.result[merge.n_axis]
@@ -208,10 +208,3 @@ def merged_bias_tables(merge: GemmMerge, biases: dict) -> "dict | None":
         pads[name] = view_specs.pad((length,), ((start, total - start - length),))
     strides = tuple(1 if j == merge.n_axis else 0 for j in range(len(merge.result)))
     return {"pads": pads, "view": ViewSpec(tuple(merge.result), strides)}
-
-
-def numel_of(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
