@@ -20,7 +20,7 @@ from optimizer_svc.cost import predict
 from optimizer_svc.fold import hoist
 from optimizer_svc.partition import DEFAULT_SCHEDULE, SCHEDULE_GRID, Schedule, partition, with_parallel
 from optimizer_svc.regions import RegionCycle, assemble, canonical, split
-from optimizer_svc.search import SearchLimits, SearchReport, graph_cost, saturate
+from optimizer_svc.search import Pool, SearchLimits, SearchReport, graph_cost, saturate
 
 STAGE_VERSION = "optimizer-1-" + cache.code_version("optimizer_svc", "kiln.ir")
 MAX_ITERATIONS_CAP = 1000
@@ -74,7 +74,8 @@ def saturate_regions(store: BlobStore, graph: Graph, limits: SearchLimits) -> tu
     report = SearchReport(stop_reason="saturated")
     done: dict[Digest, Graph] = {}
     t0 = time.monotonic()
-    bounds = {"max_iterations": limits.max_iterations, "max_enodes": limits.max_enodes}
+    bounds = {"max_iterations": limits.max_iterations, "max_enodes": limits.max_enodes,
+              "pool": limits.pool.canonical() if limits.pool is not None else None}
     for name, d in digests.items():
         if d in done:
             continue
@@ -85,7 +86,7 @@ def saturate_regions(store: BlobStore, graph: Graph, limits: SearchLimits) -> tu
             stats.cache_hits += 1
             continue
         left = SearchLimits(limits.max_iterations, limits.max_enodes,
-                            max(0.0, limits.time_budget_s - (time.monotonic() - t0)), limits.deadline)
+                            max(0.0, limits.time_budget_s - (time.monotonic() - t0)), limits.deadline, limits.pool)
         with span("optimizer.region", **{"kiln.region": name, "kiln.structure": str(d)}):
             opt, rep = saturate(canon[name], left)
         done[d] = opt
@@ -102,7 +103,7 @@ def saturate_regions(store: BlobStore, graph: Graph, limits: SearchLimits) -> tu
     except RegionCycle:  # regions feed each other both ways: no split, one saturation
         out, report = saturate(graph, SearchLimits(limits.max_iterations, limits.max_enodes,
                                                    max(0.0, limits.time_budget_s - (time.monotonic() - t0)),
-                                                   limits.deadline))
+                                                   limits.deadline, limits.pool))
         stats = RegionStats(regions=1, distinct=1)
     report.seconds = time.monotonic() - t0
     return out, report, stats
@@ -117,8 +118,8 @@ def candidates(g: Graph, options: OptimizeOptions, profile) -> list[tuple[Schedu
         return [(DEFAULT_SCHEDULE, kg, predict(kg, profile) if profile is not None else [])]
     seen, out, structures = set(), [], {}
     for schedule in (DEFAULT_SCHEDULE,) + SCHEDULE_GRID:
-        # schedules that differ only in their parallel thresholds share one partition
-        key = dataclasses.replace(schedule, parallel_min_elements=0, parallel_min_macs=0)
+        # schedules that differ only in their parallel choices share one partition
+        key = dataclasses.replace(schedule, parallel_min_elements=0, parallel_min_macs=0, searched=True)
         if key not in structures:
             structures[key] = partition(g, schedule=schedule)
         kg = with_parallel(structures[key], schedule)
@@ -144,15 +145,16 @@ def optimize(store: BlobStore, graph_d: Digest, options: OptimizeOptions,
         graph = graph_from_pb(store.get_message(graph_d, ir_pb2.Graph))
     except ValueError as e:
         raise InvalidArgument(f"graph {graph_d} is malformed: {e}") from e
+    profile = (store.get_message(options.target_profile, services_pb2.TargetProfile)
+               if options.target_profile is not None else None)
     with span("optimizer.search", **{"kiln.graph": str(graph_d), "kiln.search": options.search}) as s:
         if options.search:
-            limits = SearchLimits(options.max_iterations, options.max_enodes, options.time_budget_s, deadline)
+            limits = SearchLimits(options.max_iterations, options.max_enodes, options.time_budget_s, deadline,
+                                  Pool.from_profile(profile))
             optimized, rep, dedup = saturate_regions(store, graph, limits)
         else:
             optimized, rep, dedup = graph, SearchReport(stop_reason="search off"), RegionStats()
         optimized, prepare = hoist(optimized)  # weight-only work: done at Load, not per run
-        profile = (store.get_message(options.target_profile, services_pb2.TargetProfile)
-                   if options.target_profile is not None else None)
         cands = [(schedule, dataclasses.replace(kg, prepare=prepare), costs)
                  for schedule, kg, costs in candidates(optimized, options, profile)]
         s.set_attribute("kiln.stop_reason", rep.stop_reason)

@@ -7,8 +7,12 @@ to compute by a GEMM (`Node.kernel`, rules/matmul.py) is a GEMM kernel when its 
 are views of buffers along disjoint broadcast axes (gemm_axes).
 
 A Schedule holds the choices beyond that: which GEMMs call BLAS and which stay generated
-loops (a fused reduction), and which loops run on the parallel pool. The optimizer ranks the
-distinct partitions the schedule grid gives by the cost model; the fastest is found by timing.
+loops (a fused reduction), and which loops run on the parallel pool. Where the search chose a
+kernel's schedule (`Node.schedule` on its root, rules/schedules.py) the kernel takes it; other
+loops (elementwise kernels, and every kernel of a search that did not know its target) go by
+the Schedule's size thresholds. The optimizer ranks the distinct partitions the schedule grid
+gives (with the search's schedules, and with thresholds alone) by the cost model; the fastest
+is found by timing.
 """
 
 from __future__ import annotations
@@ -36,18 +40,21 @@ class Schedule:
     epilogues: bool = True                # elementwise work on a GEMM's result runs in the GEMM's kernel
     rows: bool = True                     # reductions read back along their row (softmax, norms) fuse into one kernel
     attention: bool = True                # GEMM, row kernel, GEMM (Q·Kᵀ, softmax, ·V) fuse into one tiled kernel
+    searched: bool = True                 # a kernel whose root carries the search's schedule (Node.schedule) takes it
 
     def describe(self) -> str:
         show = lambda v: "never" if v >= NEVER else str(v)  # noqa: E731
         return (f"blas>={self.blas_min_macs} par>={show(self.parallel_min_elements)} "
                 f"gemm-par>={show(self.parallel_min_macs)}{'' if self.epilogues else ' no-epilogue'}"
-                f"{'' if self.rows else ' no-rows'}{'' if self.attention or not self.rows else ' no-attention'}")
+                f"{'' if self.rows else ' no-rows'}{'' if self.attention or not self.rows else ' no-attention'}"
+                f"{'' if self.searched else ' thresholds-only'}")
 
 
 DEFAULT_SCHEDULE = Schedule()
 # the grid candidate schedules are drawn from (optimizer.candidates ranks them by the cost model)
 # (attention fusion needs row kernels: without them there is no softmax kernel to fuse)
-SCHEDULE_GRID = tuple(Schedule(pe, pm, bm, ep, rows, attn) for rows, attn in ((True, True), (True, False), (False, False))
+SCHEDULE_GRID = tuple(Schedule(pe, pm, bm, ep, rows, attn, searched)
+                      for searched in (True, False) for rows, attn in ((True, True), (True, False), (False, False))
                       for ep in (True, False) for bm in (0, 1 << 16) for pe in (1 << 15, 1 << 13, NEVER)
                       for pm in (1 << 20, 1 << 18, NEVER))
 # no GEMM under 2^18 multiply-adds (~15 us of one thread's BLAS) is split: waking the pool
@@ -129,7 +136,15 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
         n = g.nodes[i]
         return evaluate_dim(numel(g.nodes[n.inputs[0]].shape if n.op in GroupOp.Reduce else n.shape), largest)
 
+    def chosen(k: Kernel) -> str:  # the search's schedule for the kernel, where its root has one
+        if not schedule.searched:
+            return ""
+        root = kernel_gemm(g, k) if k.kind == "gemm" else k.output
+        return g.nodes[root].schedule if k.kind in ("gemm", "attention", "row", "reduce") else ""
+
     def parallel(k: Kernel) -> bool:
+        if chosen(k):
+            return chosen(k) == "parallel"
         if k.kind in ("elementwise", "reduce", "row"):
             return work(k.output) >= schedule.parallel_min_elements
         if k.kind == "gemm":

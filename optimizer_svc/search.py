@@ -31,20 +31,52 @@ from optimizer_svc.rules.algebra import algebra
 from optimizer_svc.rules.attention import attention
 from optimizer_svc.rules.matmul import GemmMember, bias_member, gemm_merge, is_gemm_layout, matmul, merged_bias_tables
 from optimizer_svc.rules.norms import layer_norm_primitives, norms, rms_norm_primitives, softmax_primitives
-from optimizer_svc.rules.reductions import reductions
+from optimizer_svc.rules.reductions import reductions, split_parts
+from optimizer_svc.rules.schedules import schedules
 from optimizer_svc.rules.views import views
 from optimizer_svc.terms import (Term, bias_group, compose_views, gemm_layout, member_slice, merge_axis, merge_group, merge_in,
                                  merge_out, merged_bias, merged_bias_view, merged_operand, merged_weight, merged_weight_view, plain_view,
-                                 reduce_view, row_bcast, shape_of)
+                                 pool_threads, reduce_view, row_bcast, shape_of, split_in,
+                                 split_out)
 
 _UNARY = {Op.EXP2: Term.exp2, Op.LOG2: Term.log2, Op.SIN: Term.sin, Op.SQRT: Term.sqrt, Op.RECIP: Term.recip}
 _BINARY = {Op.ADD: Term.add, Op.MUL: Term.mul, Op.MOD: Term.mod, Op.LESS_THAN: Term.less_than}
 _BY_NAME = {"Term." + n: n for n in ("input", "weight", "const", "view", "exp2", "log2", "sin", "sqrt", "recip",
                                       "add", "mul", "mod", "less_than", "where", "sum_reduce", "max_reduce",
                                       "iota", "gather", "scatter", "cast", "gemm", "softmax", "rms_norm",
-                                      "layer_norm", "attention", "output")}
+                                      "layer_norm", "attention", "scheduled", "output")}
 _BY_NAME.update(merged_weight="merged_weight", merged_bias="merged_weight")  # rules/matmul.py: name a
 # concatenation, never extracted
+
+
+GEMM_WEIGHT = 0.25  # one multiply-add of a BLAS GEMM, against 1 for each op of a generated loop
+
+
+@dataclass(frozen=True)
+class Pool:
+    """What schedules cost on the target (rules/schedules.py), in extraction's units (one
+    elementwise op on one element by one thread): its parallel pool's threads, the fixed cost
+    of a parallel and of a serial kernel, and one thread's BLAS multiply-add."""
+    threads: int
+    parallel_overhead: float
+    serial_overhead: float
+    gemm_mac: float = GEMM_WEIGHT
+
+    @staticmethod
+    def from_profile(profile) -> Optional["Pool"]:
+        """From a TargetProfile (Executor.Calibrate); None for one thread or no measurements."""
+        if profile is None or profile.threads <= 1 or profile.elementwise_gelems <= 0:
+            return None
+        unit_us = profile.threads / (profile.elementwise_gelems * 1e3)  # µs per element-op, one thread
+        serial = profile.serial_overhead_us or profile.kernel_overhead_us
+        rates = sorted(g.gflops for g in profile.gemm if g.m > 1 and g.n > 1 and g.gflops > 0)
+        mac = 2e-3 / rates[len(rates) // 2] / unit_us if rates else GEMM_WEIGHT  # µs per MAC / µs per unit
+        return Pool(profile.threads, round(profile.kernel_overhead_us / unit_us, 1), round(serial / unit_us, 1),
+                    round(mac, 4))
+
+    def canonical(self) -> dict:
+        return {"threads": self.threads, "parallel_overhead": self.parallel_overhead,
+                "serial_overhead": self.serial_overhead, "gemm_mac": self.gemm_mac}
 
 
 @dataclass
@@ -53,6 +85,7 @@ class SearchLimits:
     max_enodes: int = 200_000
     time_budget_s: float = 30.0
     deadline: Optional[float] = None  # time.monotonic() at which the caller's deadline expires
+    pool: Optional[Pool] = None  # the target's pool: schedules are searched only when it is known
 
 
 @dataclass
@@ -174,6 +207,21 @@ class _Encoder:
                     set_(merge_axis(key, a, b)).to(i64(lo)),
                     set_(merge_out(key, a, b)).to(String(self.spec_key(view_specs.reshape(reduced, out)))))
 
+    def register_split(self, eg: EGraph, x, shape, axis: int, threads: int) -> None:
+        """Enter x's shape and the reshapes that split reduced `axis` of it into parts for the
+        pool, when split_parts allows (rules/reductions.py)."""
+        parts = split_parts(tuple(shape), axis, threads)
+        if parts is None:
+            return
+        shape = tuple(shape)
+        key = ",".join(map(str, shape))
+        split = shape[:axis] + (parts, shape[axis] // parts) + shape[axis + 1:]
+        reduced = shape[:axis] + (1, 1) + shape[axis + 1:]
+        out = shape[:axis] + (1,) + shape[axis + 1:]
+        eg.register(set_(shape_of(x)).to(String(key)),
+                    set_(split_in(key, axis)).to(String(self.spec_key(view_specs.reshape(shape, split)))),
+                    set_(split_out(key, axis)).to(String(self.spec_key(view_specs.reshape(reduced, out)))))
+
     def register_gemm_merges(self, eg: EGraph, groups: dict[tuple, list[GemmMember]]) -> bool:
         """Enter the tables of each new group of GEMMs of one shared operand against weights
         (rules/matmul.py). A member joins one group only, so each table entry is set once."""
@@ -270,11 +318,15 @@ def _saturate(g: Graph, limits: SearchLimits, eg: EGraph) -> tuple[Graph, Search
             inner = g.nodes[n.inputs[0]] if n.inputs else None
             if n.op in GroupOp.Reduce and inner.op is n.op:  # a reduction of a reduction
                 enc.register_merge(eg, refs[inner.inputs[0]], g.nodes[inner.inputs[0]].shape, inner.axis, n.axis)
+            if n.op in GroupOp.Reduce and limits.pool is not None:
+                enc.register_split(eg, refs[n.inputs[0]], inner.shape, n.axis, limits.pool.threads)
         for k, o in enumerate(g.outputs):
             eg.register(Term.output(k, refs[o]))
+        if limits.pool is not None:
+            eg.register(set_(pool_threads()).to(i64(limits.pool.threads)))
         enc.flush_tables(eg)
     rulesets = {"algebra": algebra, "views": views, "reductions": reductions, "matmul": matmul, "norms": norms,
-                "attention": attention}
+                "attention": attention, "schedules": schedules}
     stop = "iteration limit"
     serialized = None
     for it in range(1, limits.max_iterations + 1):
@@ -315,7 +367,7 @@ def _saturate(g: Graph, limits: SearchLimits, eg: EGraph) -> tuple[Graph, Search
     with span("optimizer.extract"):
         if serialized is None or report.stop_reason != "saturated":
             serialized = _serialize(eg)
-        out = _extract(g, enc, serialized)
+        out = _extract(g, enc, serialized, limits.pool)
     del eg, refs
     report.seconds = time.monotonic() - t0
     return out, report
@@ -444,7 +496,6 @@ def _register_bias_merges(eg: EGraph, enc: _Encoder, nodes: dict, by_class: dict
 # relative cost of one element of each op: transcendental ops are polynomial evaluations
 _OP_WEIGHT = {"exp2": 4.0, "log2": 4.0, "sin": 4.0, "sqrt": 2.0, "recip": 2.0, "mod": 2.0}
 VIEW_COST = 0.01  # views are free at run time; a small cost prefers fewer of them
-GEMM_WEIGHT = 0.25  # one multiply-add of a BLAS GEMM, against 1 for each op of a generated loop
 # a row kernel's cost per element: below its primitive ops' (softmax 10, RMS norm 3, layer norm 5)
 # because it reads its input once and writes only its result
 _ROW_WEIGHT = {"softmax": 5.0, "rms_norm": 2.0, "layer_norm": 3.0}
@@ -484,23 +535,23 @@ _TERM_OF_OP = {"input": Op.INPUT, "weight": Op.WEIGHT, "const": Op.CONSTANT, "vi
 
 
 def _enode_cost(n: dict, cls: str, nodes: dict, elements: dict[str, int]) -> float:
-    """An e-node's own cost. A GEMM costs its multiply-adds (the elements of its broadcast
-    operand views); attention, those of P · V less what not writing P saves."""
+    """An e-node's own cost. A reduction costs the elements it reads; a GEMM its multiply-adds
+    (the elements of its broadcast operand views); attention, those of P · V less what not
+    writing P saves."""
     name = _BY_NAME[n["op"]]
     kids = [nodes[ch]["eclass"] for ch in n["children"] if nodes[ch]["op"] in _BY_NAME]
-    if name == "merged_weight":
+    if name in ("merged_weight", "scheduled"):  # a schedule prices its class's kernel (_schedule_costs)
         return float("inf")
-    if name == "gemm":
+    if name in ("gemm", "sum_reduce", "max_reduce"):
         return _node_cost(name, elements.get(kids[0], 1))
     if name == "attention":
         return max(0.0, _node_cost("gemm", elements.get(kids[1], 1)) - ATTENTION_SAVING * elements.get(kids[0], 1))
     return _node_cost(name, elements.get(cls, 1))
 
 
-def _class_elements(g: Graph, enc: "_Encoder", nodes: dict, classes: dict[str, list[str]]) -> dict[str, int]:
-    """Elements of each e-class's value (all members of a class have one shape), at the largest
-    binding of each symbol, inferred bottom-up from the leaves."""
-    largest = {name: hi for name, _, hi in g.symbols}
+def _class_shapes(g: Graph, enc: "_Encoder", nodes: dict, classes: dict[str, list[str]]) -> dict[str, tuple]:
+    """The shape of each e-class's value (all members of a class have one shape), inferred
+    bottom-up from the leaves."""
     leaf = {t.name: t.shape for t in list(g.inputs) + list(g.weights)}
     shape: dict[str, tuple] = {}
     changed = True
@@ -514,7 +565,7 @@ def _class_elements(g: Graph, enc: "_Encoder", nodes: dict, classes: dict[str, l
                 name = _BY_NAME[n["op"]]
                 kids = [nodes[ch]["eclass"] for ch in n["children"] if nodes[ch]["op"] in _BY_NAME]
                 lits = [_literal(nodes[ch]) for ch in n["children"] if nodes[ch]["op"] not in _BY_NAME]
-                if name == "merged_weight":  # a name for the class's concatenation: never built
+                if name in ("merged_weight", "scheduled"):  # a concatenation's name; a kernel's schedule
                     continue
                 if name in ("input", "weight"):
                     shape[cls] = tuple(leaf[lits[0]])
@@ -540,7 +591,34 @@ def _class_elements(g: Graph, enc: "_Encoder", nodes: dict, classes: dict[str, l
                     shape[cls] = shape[kids[0]]
                 changed = True
                 break
-    return {c: evaluate_dim(numel(s), largest) for c, s in shape.items()}
+    return shape
+
+
+SCHEDULED = ("gemm", "attention", "softmax", "rms_norm", "layer_norm", "sum_reduce", "max_reduce")
+GEMM_BLOCK_ROWS = 64  # codegen's fewest rows per block of a GEMM split across the pool
+
+
+def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], largest: dict, work: float,
+                    pool: Pool) -> dict[str, float]:
+    """The cost of e-node n's kernel under each schedule: serial, its work plus a serial kernel's
+    fixed cost; parallel, its work over the threads its outer loop can keep busy plus a parallel
+    kernel's fixed cost. A GEMM (or attention) shares blocks of at least GEMM_BLOCK_ROWS rows of
+    its result; a reduction or row kernel, its first loop of more than one iteration."""
+    name = _BY_NAME[n["op"]]
+    out = [evaluate_dim(d, largest) for d in shapes.get(cls, ())]
+    if name in ("gemm", "attention"):
+        work *= pool.gemm_mac / GEMM_WEIGHT  # the target's BLAS rate, not extraction's flat weight
+        rows = 1
+        for d in out[:-1]:
+            rows *= d
+        usable = rows // GEMM_BLOCK_ROWS
+    else:
+        if name in ("softmax", "rms_norm", "layer_norm"):  # the row axis is not looped over outside
+            axis = _literal(nodes[n["children"][1]])
+            out = [d for j, d in enumerate(out) if j != axis]
+        usable = next((d for d in out if d > 1), 1)
+    usable = max(1, min(pool.threads, usable))
+    return {"serial": work + pool.serial_overhead, "parallel": work / usable + pool.parallel_overhead}
 
 
 def _weight_only(g: Graph, enc: _Encoder, nodes: dict, classes: dict[str, list[str]],
@@ -561,7 +639,7 @@ def _weight_only(g: Graph, enc: _Encoder, nodes: dict, classes: dict[str, list[s
                     continue
                 n = nodes[nid]
                 name = _BY_NAME[n["op"]]
-                if name in ("input", "iota", "merged_weight", "output"):
+                if name in ("input", "iota", "merged_weight", "scheduled", "output"):
                     continue
                 if name not in ("weight", "const") and (cls not in static or elements[cls] > limit):
                     continue
@@ -635,16 +713,29 @@ def _share(nodes: dict, classes: dict[str, list[str]], choice: dict[str, str], o
     return choice
 
 
-def _extract(g: Graph, enc: _Encoder, ser: dict) -> Graph:
+def _extract(g: Graph, enc: _Encoder, ser: dict, pool: Optional[Pool] = None) -> Graph:
     nodes = ser["nodes"]
     classes: dict[str, list[str]] = {}
     for nid, n in nodes.items():
         if n["op"] in _BY_NAME and n["op"] != "Term.output":
             classes.setdefault(n["eclass"], []).append(nid)
-    elements = _class_elements(g, enc, nodes, classes)
+    largest = {name: hi for name, _, hi in g.symbols}
+    shapes = _class_shapes(g, enc, nodes, classes)
+    elements = {c: evaluate_dim(numel(s), largest) for c, s in shapes.items()}
     folded = _weight_only(g, enc, nodes, classes, elements)
     own = {nid: 0.0 if nid in folded else _enode_cost(nodes[nid], cls, nodes, elements)
            for cls, members in classes.items() for nid in members}
+    # a kernel whose e-class holds schedules costs its cheapest one, and is built with it
+    schedule: dict[str, str] = {}
+    for cls, members in classes.items():
+        offered = {_literal(nodes[nodes[m]["children"][1]]) for m in members if nodes[m]["op"] == "Term.scheduled"}
+        if not offered or pool is None:
+            continue
+        for nid in members:
+            if _BY_NAME[nodes[nid]["op"]] in SCHEDULED and nid not in folded:
+                costs = _schedule_costs(nodes[nid], cls, nodes, shapes, largest, own[nid], pool)
+                schedule[nid] = min((s for s in costs if s in offered), key=lambda s: (costs[s], s))
+                own[nid] = costs[schedule[nid]]
     best: dict[str, tuple[float, str]] = {}
     changed = True
     while changed:
@@ -673,7 +764,7 @@ def _extract(g: Graph, enc: _Encoder, ser: dict) -> Graph:
         b.input(t.name, t.shape, t.dtype)
     for t in g.weights:
         b.weight(t.name, t.shape, t.dtype)
-    shapes = {t.name: t for t in list(g.inputs) + list(g.weights)}
+    leaves = {t.name: t for t in list(g.inputs) + list(g.weights)}
     built: dict[str, int] = {}
 
     def build(cls: str) -> int:
@@ -691,7 +782,9 @@ def _extract(g: Graph, enc: _Encoder, ser: dict) -> Graph:
                 stack.append((c, True))
                 stack.extend((k, False) for k in kids if k not in built)
                 continue
-            built[c] = _rebuild(b, enc, shapes, n, nodes, [built[k] for k in kids])
+            built[c] = _rebuild(b, enc, leaves, n, nodes, [built[k] for k in kids])
+            if nid in schedule:
+                b.set_schedule(built[c], schedule[nid])
         return built[cls]
 
     outputs = []

@@ -66,9 +66,20 @@ class Term(Expr):
     @classmethod
     def attention(cls, p: Term, p_spec: StringLike, v: Term, k: i64Like) -> Term:
         """gemm(view(p, p_spec), v, k) for a row kernel's result p (a softmax), one fused kernel."""
+    # schedule choices (rules/schedules.py)
+    @classmethod
+    def scheduled(cls, x: Term, schedule: StringLike) -> Term:
+        """x's kernel run under `schedule` (kiln.ir.graph.SCHEDULES): unioned with x itself, so
+        the schedules of a kernel are members of its e-class that extraction prices beside it."""
     @classmethod
     def output(cls, index: i64Like, x: Term) -> Term:
         """Marks graph output `index`; never rewritten."""
+
+
+@function
+def pool_threads() -> i64:
+    """The target's parallel pool size, set from Python when the search knows its target
+    (rules/schedules.py adds parallel schedules only then)."""
 
 
 @function
@@ -100,6 +111,18 @@ def merge_axis(shape: StringLike, a: i64Like, b: i64Like) -> i64:
 @function
 def merge_out(shape: StringLike, a: i64Like, b: i64Like) -> String:
     """The reshape of the merged reduction's result back to `shape` with axes a and b of size 1."""
+
+
+@function
+def split_in(shape: StringLike, axis: i64Like) -> String:
+    """The reshape of a tensor of `shape` that splits its reduced `axis` into (parts, rest), for
+    a reduction too narrow to share across the pool (filled from Python)."""
+
+
+@function
+def split_out(shape: StringLike, axis: i64Like) -> String:
+    """The reshape of the split reduction's result (axes axis and axis+1 of size 1) back to
+    `shape` with `axis` of size 1."""
 
 
 @function

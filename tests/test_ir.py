@@ -119,6 +119,23 @@ def test_kernel_marks_roundtrip_and_are_checked():
             graph_from_pb(graph_to_pb(Graph(tuple(bad), g.inputs, g.weights, g.outputs)))
 
 
+def test_schedule_marks_roundtrip_and_are_checked():
+    """The search's schedule on a kernel root survives serialization; on a node that roots no
+    kernel of its own, or an unknown schedule, the graph is malformed."""
+    import dataclasses
+
+    g = _small_graph()
+    nodes = list(g.nodes)
+    nodes[-1] = dataclasses.replace(nodes[-1], schedule="parallel")  # the graph's SumReduce
+    marked = Graph(tuple(nodes), g.inputs, g.weights, g.outputs, g.output_names)
+    assert graph_from_pb(graph_to_pb(marked)).nodes[-1].schedule == "parallel"
+    for i, mark, why in ((len(nodes) - 2, "serial", "no kernel root"), (len(nodes) - 1, "vectorized", "unknown")):
+        bad = list(g.nodes)
+        bad[i] = dataclasses.replace(bad[i], schedule=mark)
+        with pytest.raises(ValueError, match=why):
+            graph_from_pb(graph_to_pb(Graph(tuple(bad), g.inputs, g.weights, g.outputs)))
+
+
 def test_validate_rejects_cycles_and_dangling_refs():
     g = _small_graph()
     bad = list(g.nodes)

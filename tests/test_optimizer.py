@@ -10,7 +10,7 @@ from kiln.ir import view as view_specs
 from kiln.ir.evaluate import evaluate
 from kiln.ir.ops import Op
 from optimizer_svc.partition import Schedule, partition
-from optimizer_svc.search import SearchLimits, graph_cost, saturate
+from optimizer_svc.search import Pool, SearchLimits, graph_cost, saturate
 
 SHAPE = (3, 4)
 
@@ -476,3 +476,79 @@ def test_hoist_moves_weight_only_work_to_prepare():
     with pytest.raises(ValueError, match="derived weights"):
         kernel_graph_from_pb(kernel_graph_to_pb(KernelGraph(kg.graph, kg.kernels, None)))
     assert hoist(program) == (program, None)  # nothing left to hoist
+
+
+# a pool like this machine's calibrated one: 2 threads, a parallel kernel ~8x a serial one's fixed cost
+POOL = Pool(threads=2, parallel_overhead=2600.0, serial_overhead=340.0, gemm_mac=0.014)
+
+
+def _two_gemms():
+    """A large GEMM (512 rows) and a GEMV (one row) off the same input, each with its weight."""
+    b = GraphBuilder()
+    x = b.input("x", (512, 256), DType.F32)
+    v = b.input("v", (1, 256), DType.F32)
+    outs = []
+    for a, w, n in ((x, b.weight("w", (512, 256), DType.F32), 512), (v, b.weight("u", (16, 256), DType.F32), 16)):
+        m = b.shape(a)[0]
+        ab = b.view(b.view(a, view_specs.reshape((m, 256), (m, 1, 256))), view_specs.expand((m, 1, 256), (m, n, 256)))
+        wb = b.view(b.view(w, view_specs.reshape((n, 256), (1, n, 256))), view_specs.expand((1, n, 256), (m, n, 256)))
+        outs.append(b.reduce(Op.SUM_REDUCE, b.binary(Op.MUL, ab, wb), 2))
+    return b.build(outs)
+
+
+def test_schedules_are_enodes_priced_by_the_target():
+    """With the target's pool known, every kernel's e-class gets serial and parallel schedule
+    e-nodes and extraction gives each kernel its cheaper one: the 512-row GEMM splits across
+    the pool, the one-row GEMV (no rows to share) stays serial; with a pool whose parallel
+    kernels cost more than any work here, both are serial; without a pool no schedule is
+    searched. The partition takes the recorded schedule unless told to use only thresholds."""
+    g = _two_gemms()
+    opt, report = saturate(g, SearchLimits(pool=POOL))
+    assert report.rulesets.get("schedules", 0) >= 2
+    gemms = {n.shape: n.schedule for n in opt.nodes if n.kernel == "gemm"}
+    assert gemms == {(512, 512, 1): "parallel", (1, 16, 1): "serial"}
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((512, 256)).astype(np.float32),
+             "v": rng.standard_normal((1, 256)).astype(np.float32)}
+    w = {"w": rng.standard_normal((512, 256)).astype(np.float32), "u": rng.standard_normal((16, 256)).astype(np.float32)}
+    for got, want in zip(evaluate(opt, feeds, w), evaluate(g, feeds, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    kg = partition(opt)
+    par = {opt.nodes[k.output].shape: k.parallel for k in kg.kernels if k.kind == "gemm"}
+    assert par == {(512, 512, 1): True, (1, 16, 1): False}
+    # thresholds only: the GEMV's 4096 multiply-adds are under the default GEMM threshold, the
+    # big GEMM's 2^26 over it; a schedule that never splits a GEMM keeps both serial
+    never = Schedule(parallel_min_macs=1 << 62, searched=False)
+    assert not any(k.parallel for k in partition(opt, schedule=never).kernels if k.kind == "gemm")
+    assert any(k.parallel for k in partition(opt, schedule=Schedule(parallel_min_macs=1 << 62)).kernels)
+    costly = Pool(threads=2, parallel_overhead=1e12, serial_overhead=340.0, gemm_mac=0.014)
+    opt, _ = saturate(g, SearchLimits(pool=costly))
+    assert {n.schedule for n in opt.nodes if n.kernel == "gemm"} == {"serial"}
+    opt, report = saturate(g, SearchLimits())
+    assert "schedules" not in report.rulesets and not any(n.schedule for n in opt.nodes)
+
+
+@pytest.mark.parametrize("op", [Op.SUM_REDUCE, Op.MAX_REDUCE])
+def test_narrow_reduction_splits_its_axis_for_the_pool(op):
+    """A reduction of one long row has no outer loop for the pool: with a pool, the search
+    splits its axis into parts (a parallel reduction over 8 slices, then a serial one over the
+    parts), and the result matches the unsplit reduction; without a pool, or for a row too
+    short to repay the pool, the reduction stays whole."""
+    b = GraphBuilder()
+    x = b.input("x", (1, 1 << 17), DType.F32)
+    g = b.build([b.reduce(op, x, 1)])
+    opt, report = saturate(g, SearchLimits(pool=POOL))
+    assert any("split_in" in k for k in report.rules)
+    reds = [(n.shape, n.schedule) for n in opt.nodes if n.op is op]
+    assert reds == [((1, 8, 1), "parallel"), ((1, 1, 1), "serial")]
+    assert [k.parallel for k in partition(opt).kernels if k.kind == "reduce"] == [True, False]
+    xv = np.random.default_rng(1).standard_normal((1, 1 << 17)).astype(np.float32)
+    (got,), (want,) = evaluate(opt, {"x": xv}, {}), evaluate(g, {"x": xv}, {})
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    opt, _ = saturate(g, SearchLimits())
+    assert sum(n.op is op for n in opt.nodes) == 1
+    b = GraphBuilder()
+    x = b.input("x", (1, 4096), DType.F32)
+    short = b.build([b.reduce(op, x, 1)])
+    opt, report = saturate(short, SearchLimits(pool=POOL))
+    assert not any("split_in" in k for k in report.rules) and sum(n.op is op for n in opt.nodes) == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from kiln.ir import view as views
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph, Node, TensorSpec, validate
@@ -33,11 +35,11 @@ class GraphBuilder:
 
     def _add(self, node: Node) -> int:
         key = (node.op, node.inputs, node.shape, node.dtype, node.name, node.value, node.view, node.axis,
-               node.kernel)
+               node.kernel, node.schedule)
         if key in self._index:
             return NodeId(self._index[key])
         node = Node(node.op, node.inputs, node.shape, node.dtype, node.name, node.value, node.view,
-                    node.axis, self.source, node.kernel)
+                    node.axis, self.source, node.kernel, node.schedule)
         self.nodes.append(node)
         self._index[key] = len(self.nodes) - 1
         return NodeId(len(self.nodes) - 1)
@@ -51,7 +53,18 @@ class GraphBuilder:
         if node.op is Op.VIEW and node.view.is_contiguous_of(self.shape(inputs[0])):
             return NodeId(inputs[0])
         return self._add(Node(node.op, tuple(inputs), node.shape, node.dtype, node.name, node.value, node.view,
-                              node.axis, kernel=node.kernel))
+                              node.axis, kernel=node.kernel, schedule=node.schedule))
+
+    def set_schedule(self, i: int, schedule: str) -> None:
+        """Record the search's schedule for the kernel rooted at node i (kiln.ir.graph.SCHEDULES),
+        in place: a schedule says how to compute the node, never what it computes."""
+        old = self.nodes[i]
+        new = dataclasses.replace(old, schedule=schedule)
+        self._index.pop((old.op, old.inputs, old.shape, old.dtype, old.name, old.value, old.view, old.axis,
+                         old.kernel, old.schedule), None)
+        self.nodes[i] = new
+        self._index[(new.op, new.inputs, new.shape, new.dtype, new.name, new.value, new.view, new.axis,
+                     new.kernel, new.schedule)] = i
 
     # ---- leaves ----
     def input(self, name: str, shape: Shape, dtype: DType) -> int:

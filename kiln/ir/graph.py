@@ -27,12 +27,19 @@ class Node:
     axis: int = 0               # reductions, Gather, Scatter
     source: str = ""            # where the node came from (ATen op and source line), for errors
     kernel: str = ""            # the kernel the search chose to compute this node in (KERNEL_CHOICES)
+    schedule: str = ""          # the search's schedule for the kernel this node is the root of (SCHEDULES)
 
 
 # The kernel choices the search records on nodes (optimizer_svc/rules: matmul, norms, attention):
 # a SumReduce computed by a GEMM ("gemm"), or as the second GEMM of a fused attention kernel
 # ("attention"), and the elementwise root of a row kernel ("row": softmax, layer norm, RMS norm).
 KERNEL_CHOICES = {"gemm": (Op.SUM_REDUCE,), "attention": (Op.SUM_REDUCE,), "row": tuple(GroupOp.Elementwise)}
+
+# The schedule choices the search records on a kernel's root (optimizer_svc/rules/schedules.py):
+# "" leaves it to the partition's thresholds; "serial" runs the kernel on one thread, "parallel"
+# splits its outer loop (a GEMM: its rows) across the pool. Only reductions (GEMMs, attention)
+# and row kernels' roots carry one: they are kernel roots whatever else the partition decides.
+SCHEDULES = ("", "serial", "parallel")
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,10 @@ def validate(g: Graph) -> None:
             raise ValueError(f"node %{i} View has no spec or a spec of the wrong shape")
         if n.kernel and n.op not in KERNEL_CHOICES.get(n.kernel, ()):
             raise ValueError(f"node %{i} {n.op.value} cannot be computed as a {n.kernel!r} kernel")
+        if n.schedule not in SCHEDULES:
+            raise ValueError(f"node %{i} has an unknown schedule {n.schedule!r}")
+        if n.schedule and n.op not in GroupOp.Reduce and n.kernel != "row":
+            raise ValueError(f"node %{i} {n.op.value} is no kernel root and cannot carry a schedule")
     for o in g.outputs:
         if not 0 <= o < len(g.nodes):
             raise ValueError(f"graph output %{o} does not exist")
@@ -137,6 +148,6 @@ def prune(g: Graph) -> Graph:
         if live[i]:
             new_id[i] = len(nodes)
             nodes.append(Node(n.op, tuple(new_id[j] for j in n.inputs), n.shape, n.dtype, n.name, n.value,
-                              n.view, n.axis, n.source, n.kernel))
+                              n.view, n.axis, n.source, n.kernel, n.schedule))
     return Graph(tuple(nodes), g.inputs, g.weights, tuple(new_id[o] for o in g.outputs), g.output_names,
                  g.output_tree, g.symbols)

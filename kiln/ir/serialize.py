@@ -83,7 +83,8 @@ def graph_to_pb(g: Graph) -> ir_pb2.Graph:
     out = ir_pb2.Graph()
     for n in g.nodes:
         p = out.nodes.add(op=n.op.value, inputs=list(n.inputs), dtype=dtype_to_pb(n.dtype), name=n.name,
-                          value=n.value, axis=n.axis, source=n.source, kernel=n.kernel)
+                          value=n.value, axis=n.axis, source=n.source, kernel=n.kernel,
+                          schedule=n.schedule)
         _dims_to_pb(n.shape, p.shape)
         if n.view is not None:
             view_to_pb(n.view, p.view)
@@ -109,7 +110,8 @@ def graph_from_pb(p: ir_pb2.Graph) -> Graph:
             raise ValueError(f"node %{i} has unknown op {n.op!r}")
         op = _OPS[n.op]
         nodes.append(Node(op, tuple(n.inputs), _dims_from_pb(n.shape), dtype_from_pb(n.dtype), n.name, n.value,
-                          view_from_pb(n.view) if op is Op.VIEW else None, n.axis, n.source, n.kernel))
+                          view_from_pb(n.view) if op is Op.VIEW else None, n.axis, n.source, n.kernel,
+                          n.schedule))
     g = Graph(tuple(nodes), tuple(tensor_spec_from_pb(t) for t in p.inputs),
               tuple(tensor_spec_from_pb(t) for t in p.weights), tuple(p.outputs), tuple(p.output_names),
               p.output_tree, tuple((s.name, s.min, s.max) for s in p.symbols))

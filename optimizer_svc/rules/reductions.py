@@ -12,15 +12,22 @@ Merging reduced axes: a reduction over axis a of a reduction over an adjacent ax
 reduction over the two axes merged by a reshape (a mean over H and W is one loop over H*W,
 the inner reduction's intermediate gone). The reshapes come from the `merge_in`, `merge_axis`
 and `merge_out` tables, filled from Python for the shapes the graph's nodes have (`shape_of`).
-Splitting an axis is the same rewrite read backwards; extraction never prefers it, as it
-only adds work, so it is not entered.
+
+Splitting a reduced axis is the same rewrite read backwards: a reduction whose result has too
+few rows to share across the target's pool (a whole-tensor sum, a norm of one long row) is a
+reduction over `parts` slices of its axis (each slice one row of a parallel loop) and then a
+small one over the parts. It adds work (the parts' reduction) and changes a sum's order, as
+torch's own vectorized sums do, so it only pays through the schedule it makes possible:
+extraction prices the inner reduction's parallel schedule (rules/schedules.py) and keeps the
+split only where that wins. Its reshapes come from the `split_in` and `split_out` tables,
+entered from Python only when the search knows the target's pool (`split_parts`).
 """
 
 from __future__ import annotations
 
 from egglog import String, eq, f64, i64, ne, rule, ruleset, union, var
 
-from optimizer_svc.terms import Term, merge_axis, merge_in, merge_out, reduce_view, shape_of
+from optimizer_svc.terms import Term, merge_axis, merge_in, merge_out, reduce_view, shape_of, split_in, split_out
 
 reductions = ruleset(name="reductions")
 
@@ -52,4 +59,25 @@ reductions.register(
            eq(_m).to(merge_axis(_sh, _k, _j)), eq(_so).to(merge_out(_sh, _k, _j)))
       .then(union(_e).with_(Term.view(reduce(Term.view(_x, _si), _m), _so)))
       for reduce in (Term.sum_reduce, Term.max_reduce)),
+    *(rule(eq(_e).to(reduce(_x, _k)), eq(_sh).to(shape_of(_x)), eq(_si).to(split_in(_sh, _k)),
+           eq(_so).to(split_out(_sh, _k)))
+      .then(union(_e).with_(Term.view(reduce(reduce(Term.view(_x, _si), _k + 1), _k), _so)))
+      for reduce in (Term.sum_reduce, Term.max_reduce)),
 )
+
+SPLIT_MIN = 1 << 14  # elements per part: below this a part's loop is too short to repay the pool
+
+
+def split_parts(shape, axis: int, threads: int):
+    """How many parts to split reduced `axis` of a static `shape` into, or None: only when the
+    reduction's result gives the pool no outer loop (its first dim of more than one element,
+    if any, is shorter than the pool) and the axis divides into at least `threads` parts of
+    at least SPLIT_MIN elements each; the most such parts up to 4 per thread."""
+    if not all(isinstance(d, int) for d in shape) or threads <= 1:
+        return None
+    outer = next((d for j, d in enumerate(shape) if j != axis and d > 1), 1)
+    n = shape[axis]
+    if outer >= threads or n < threads * SPLIT_MIN:
+        return None
+    parts = [p for p in range(threads, 4 * threads + 1) if n % p == 0 and n // p >= SPLIT_MIN]
+    return parts[-1] if parts else None
