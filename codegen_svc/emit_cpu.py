@@ -624,12 +624,64 @@ class _KernelWriter:
 
     def emit_reduce(self):
         n = self.g.nodes[self.k.output]
+        if self.k.order == "axis-outer":
+            return self.emit_reduce_axis_outer()
         lines, idx, depth = self.loops(n.shape, skip_axis=n.axis, parallel=self.k.parallel)
         pad = "    " * depth
         lines += self.reduction(pad, self.k.output, idx, "acc")
         oidx = list(idx)
         oidx[n.axis] = "0"
         lines.append(pad + _at("out", self.flat(n.shape, oidx)) + f" = {self.store(n.dtype, 'acc')}")
+        return lines
+
+    def emit_reduce_axis_outer(self):
+        """The reduction with its axis looped outside the axes after it (the search's loop order,
+        Kernel.order): per index of the axes before it, a row of accumulators over the axes
+        after it, updated as the input is read in memory order, then stored."""
+        n = self.g.nodes[self.k.output]
+        a, src = n.axis, n.inputs[0]
+        is_max = n.op is Op.MAX_REDUCE
+        nan = is_max and n.dtype.is_float
+        init = (self.const(-math.inf, n.dtype) if n.dtype.is_float else str(-(1 << 62))) if is_max \
+            else self.const(0.0, n.dtype)
+        inner_shape = tuple(n.shape[a + 1:])
+        outer = tuple(d if j < a else 1 for j, d in enumerate(n.shape))
+        lines, idx, depth = self.loops(outer, parallel=self.k.parallel)
+        pad = "    " * depth
+        size = _d(numel(inner_shape))
+        lines += [pad + f"acc = np.empty({size}, dtype={_COMPUTE[n.dtype]})",
+                  pad + f"for ja in range({size}):", pad + f"    acc[ja] = {init}"]
+        if nan:
+            lines.append(pad + f"accn = np.zeros({size}, dtype=np.bool_)")
+
+        def inner_loops(pad0: str, axis_index: str):
+            out, ix, p = [], list(idx[:a]) + [axis_index], pad0
+            for j, d in enumerate(inner_shape):
+                if d == 1:
+                    ix.append("0")
+                    continue
+                out.append(p + f"for i{a + 1 + j} in range({_d(d)}):")
+                ix.append(f"i{a + 1 + j}")
+                p += "    "
+            return out, ix, p
+
+        lines.append(pad + f"for ra in range({_d(self.g.nodes[src].shape[a])}):")
+        loops, ridx, p = inner_loops(pad + "    ", "ra")
+        lines += loops
+        f = self.flat(inner_shape, ridx[a + 1:])
+        acc, accn = _at("acc", f), _at("accn", f)
+        lines += self.statement(p, lambda: f"v = {self.value(src, tuple(ridx))}")
+        if is_max:
+            lines.append(p + f"{acc} = v if v > {acc} else {acc}")
+            if nan:
+                lines.append(p + f"{accn} = {accn} | (v != v)")
+        else:
+            lines.append(p + f"{acc} += v")
+        loops, oidx, p = inner_loops(pad, "0")
+        lines += loops
+        if nan:
+            lines += [p + f"if {accn}:", p + f"    {acc} = {self.const(math.nan, n.dtype)}"]
+        lines.append(p + _at("out", self.flat(n.shape, oidx)) + f" = {self.store(n.dtype, acc)}")
         return lines
 
     def emit_gemm(self):

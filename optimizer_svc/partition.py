@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from kiln.ir.graph import Graph
+from kiln.ir.graph import AXIS_OUTER, Graph
 from kiln.ir.kernel import (Kernel, KernelGraph, broadcasts, compose_chain, flat_reads, gemm_axes, gemm_dims,
                              gemm_writes_rows, kernel_gemm, view_root)
 from kiln.ir.ops import GroupOp, Op
@@ -144,7 +144,7 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
 
     def parallel(k: Kernel) -> bool:
         if chosen(k):
-            return chosen(k) == "parallel"
+            return chosen(k).split("/")[0] == "parallel"
         if k.kind in ("elementwise", "reduce", "row"):
             return work(k.output) >= schedule.parallel_min_elements
         if k.kind == "gemm":
@@ -154,7 +154,10 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
                     or work(gemm_axes(g, k.output).a_root) >= schedule.parallel_min_elements)
         return False
 
-    return KernelGraph(g, tuple(dataclasses.replace(k, parallel=parallel(k)) for k in kg.kernels))
+    def order(k: Kernel) -> str:
+        return "axis-outer" if k.kind == "reduce" and chosen(k).endswith(AXIS_OUTER) else ""
+
+    return KernelGraph(g, tuple(dataclasses.replace(k, parallel=parallel(k), order=order(k)) for k in kg.kernels))
 
 
 def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Kernel]:

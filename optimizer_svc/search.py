@@ -596,6 +596,13 @@ def _class_shapes(g: Graph, enc: "_Encoder", nodes: dict, classes: dict[str, lis
 
 SCHEDULED = ("gemm", "attention", "softmax", "rms_norm", "layer_norm", "sum_reduce", "max_reduce")
 GEMM_BLOCK_ROWS = 64  # codegen's fewest rows per block of a GEMM split across the pool
+# loop order of a reduction whose axis is not its input's innermost: by default each output
+# element's loop steps along the axis with the stride of the axes after it, a cache line per
+# element once that stride reaches 16 floats; axis-outer reads in memory order but updates a
+# row of accumulators per element (in cache: a load and a store)
+STRIDED_READ = 3.0
+ACCUMULATE = 0.5
+LINE_ELEMENTS = 16
 
 
 def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], largest: dict, work: float,
@@ -603,22 +610,38 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
     """The cost of e-node n's kernel under each schedule: serial, its work plus a serial kernel's
     fixed cost; parallel, its work over the threads its outer loop can keep busy plus a parallel
     kernel's fixed cost. A GEMM (or attention) shares blocks of at least GEMM_BLOCK_ROWS rows of
-    its result; a reduction or row kernel, its first loop of more than one iteration."""
+    its result; a reduction or row kernel, its first loop of more than one iteration (in the
+    axis-outer order, of the axes before the reduced one)."""
     name = _BY_NAME[n["op"]]
     out = [evaluate_dim(d, largest) for d in shapes.get(cls, ())]
+
+    def first_loop(dims) -> int:
+        return next((d for d in dims if d > 1), 1)
+
     if name in ("gemm", "attention"):
         work *= pool.gemm_mac / GEMM_WEIGHT  # the target's BLAS rate, not extraction's flat weight
         rows = 1
         for d in out[:-1]:
             rows *= d
-        usable = rows // GEMM_BLOCK_ROWS
-    else:
-        if name in ("softmax", "rms_norm", "layer_norm"):  # the row axis is not looped over outside
-            axis = _literal(nodes[n["children"][1]])
-            out = [d for j, d in enumerate(out) if j != axis]
-        usable = next((d for d in out if d > 1), 1)
-    usable = max(1, min(pool.threads, usable))
-    return {"serial": work + pool.serial_overhead, "parallel": work / usable + pool.parallel_overhead}
+        orders = {"": (work, rows // GEMM_BLOCK_ROWS)}
+    elif name in ("sum_reduce", "max_reduce"):
+        axis = _literal(nodes[n["children"][1]])
+        inner = 1
+        for d in out[axis + 1:]:
+            inner *= d
+        orders = {"": (work, first_loop(out))}
+        if inner > 1:  # the axes after the reduced one: the default order's stride
+            orders = {"": (work * (1 + (STRIDED_READ if inner >= LINE_ELEMENTS else 0.0)), first_loop(out)),
+                      "/axis-outer": (work * (1 + ACCUMULATE), first_loop(out[:axis]))}
+    else:  # row kernels: the row axis is not looped over outside
+        axis = _literal(nodes[n["children"][1]])
+        orders = {"": (work, first_loop([d for j, d in enumerate(out) if j != axis]))}
+    costs = {}
+    for order, (w, usable) in orders.items():
+        usable = max(1, min(pool.threads, usable))
+        costs["serial" + order] = w + pool.serial_overhead
+        costs["parallel" + order] = w / usable + pool.parallel_overhead
+    return costs
 
 
 def _weight_only(g: Graph, enc: _Encoder, nodes: dict, classes: dict[str, list[str]],
@@ -734,8 +757,10 @@ def _extract(g: Graph, enc: _Encoder, ser: dict, pool: Optional[Pool] = None) ->
         for nid in members:
             if _BY_NAME[nodes[nid]["op"]] in SCHEDULED and nid not in folded:
                 costs = _schedule_costs(nodes[nid], cls, nodes, shapes, largest, own[nid], pool)
-                schedule[nid] = min((s for s in costs if s in offered), key=lambda s: (costs[s], s))
-                own[nid] = costs[schedule[nid]]
+                usable = [s for s in costs if s in offered]
+                if usable:
+                    schedule[nid] = min(usable, key=lambda s: (costs[s], s))
+                    own[nid] = costs[schedule[nid]]
     best: dict[str, tuple[float, str]] = {}
     changed = True
     while changed:

@@ -110,6 +110,28 @@ def test_parallel_gemm_splits_rows_and_matches(local_pipeline):
         assert torch.allclose(compiled(x), fn(x), rtol=1e-4, atol=1e-4), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reduction_in_axis_outer_order_matches(local_pipeline, dtype):
+    """With the target's profile known, the search gives reductions over a middle axis (48 floats
+    after it) the axis-outer loop order: the kernel keeps a row of accumulators (f32 for f16
+    data) and reads the input in memory order. Sums and maxima (a NaN stays sticky) match torch."""
+    local_pipeline.calibrate()
+    x = torch.randn(64, 96, 48).to(dtype)
+    x[3, 7, 5] = float("nan")
+    fn = lambda x: (x.sum(1), torch.amax(x * 2, 1))  # noqa: E731
+    compiled = kiln.compile(Fn(fn), (x,), pipeline=local_pipeline, candidates=1)
+    kg = _kernel_graph(local_pipeline, compiled)
+    reduces = [k for k in kg.kernels if k.kind == "reduce"]
+    assert len(reduces) == 2 and all(k.order == "axis-outer" for k in reduces), reduces
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+    assert all("acc = np.empty(48, dtype=np.float32)" in k.source for k in bundle.kernels if k.kind == "reduce")
+    tol = 1e-5 if dtype is torch.float32 else 1e-2
+    for got, want in zip(compiled(x), fn(x)):
+        assert got.dtype == want.dtype
+        assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol, equal_nan=True)
+        assert torch.isnan(got[3, 5]) and torch.isnan(got).sum() == 1
+
+
 def test_convolution_packs_its_rows_in_small_blocks_and_matches(local_pipeline):
     """A convolution's GEMM reads A through an im2col view: each sub-block of rows is packed
     just before BLAS reads it. Its B (72 x 8) is small, so the sub-blocks are short (64 rows,

@@ -552,3 +552,21 @@ def test_narrow_reduction_splits_its_axis_for_the_pool(op):
     short = b.build([b.reduce(op, x, 1)])
     opt, report = saturate(short, SearchLimits(pool=POOL))
     assert not any("split_in" in k for k in report.rules) and sum(n.op is op for n in opt.nodes) == 1
+
+
+@pytest.mark.parametrize("op", [Op.SUM_REDUCE, Op.MAX_REDUCE])
+def test_reduction_loop_order_is_a_schedule(op):
+    """A reduction over an axis with 256 elements after it: the default order would read the
+    input with a stride of 256 floats, so extraction takes the axis-outer loop order (reduced
+    axis outside the axes after it), the partition gives the reduce kernel that order, and the
+    same reduction along the innermost axis keeps the default order."""
+    b = GraphBuilder()
+    x = b.input("x", (4096, 256), DType.F32)
+    g = b.build([b.reduce(op, x, 0), b.reduce(op, x, 1)])
+    opt, _ = saturate(g, SearchLimits(pool=POOL))
+    sched = {n.axis: n.schedule for n in opt.nodes if n.op is op}
+    assert sched[0].endswith("/axis-outer") and not sched[1].endswith("/axis-outer"), sched
+    kg = partition(opt)
+    orders = {opt.nodes[k.output].axis: k.order for k in kg.kernels if k.kind == "reduce"}
+    assert orders == {0: "axis-outer", 1: ""}
+    assert all(k.order == "" for k in partition(opt, schedule=Schedule(searched=False)).kernels)

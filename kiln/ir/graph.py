@@ -37,9 +37,12 @@ KERNEL_CHOICES = {"gemm": (Op.SUM_REDUCE,), "attention": (Op.SUM_REDUCE,), "row"
 
 # The schedule choices the search records on a kernel's root (optimizer_svc/rules/schedules.py):
 # "" leaves it to the partition's thresholds; "serial" runs the kernel on one thread, "parallel"
-# splits its outer loop (a GEMM: its rows) across the pool. Only reductions (GEMMs, attention)
-# and row kernels' roots carry one: they are kernel roots whatever else the partition decides.
-SCHEDULES = ("", "serial", "parallel")
+# splits its outer loop (a GEMM: its rows) across the pool; "/axis-outer" (plain reductions
+# only) puts the reduction's loop outside the loops over the axes after it, so the input is read
+# in its memory order. Only reductions (GEMMs, attention) and row kernels' roots carry one:
+# they are kernel roots whatever else the partition decides.
+SCHEDULES = ("", "serial", "parallel", "serial/axis-outer", "parallel/axis-outer")
+AXIS_OUTER = "/axis-outer"
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,8 @@ def validate(g: Graph) -> None:
             raise ValueError(f"node %{i} has an unknown schedule {n.schedule!r}")
         if n.schedule and n.op not in GroupOp.Reduce and n.kernel != "row":
             raise ValueError(f"node %{i} {n.op.value} is no kernel root and cannot carry a schedule")
+        if n.schedule.endswith(AXIS_OUTER) and (n.op not in GroupOp.Reduce or n.kernel):
+            raise ValueError(f"node %{i}: only a plain reduction's loops can be reordered")
     for o in g.outputs:
         if not 0 <= o < len(g.nodes):
             raise ValueError(f"graph output %{o} does not exist")

@@ -22,6 +22,7 @@ class Kernel:
     parallel: bool
     axis: int = -1            # row and attention kernels: the axis their reductions run along
     scores: int = -1          # attention kernels: the first GEMM (Q·Kᵀ); `output` is the second (P·V)
+    order: str = ""           # reduce kernels: "axis-outer" loops the reduced axis outside the axes after it
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ def kernel_graph_to_pb(kg: KernelGraph, source_graph=None):
     p = ir_pb2.KernelGraph(graph=graph_to_pb(kg.graph))
     for k in kg.kernels:
         p.kernels.add(name=k.name, kind=k.kind, nodes=list(k.nodes), output=k.output, reads=list(k.reads),
-                      parallel=k.parallel, axis=k.axis, scores=max(k.scores, 0))
+                      parallel=k.parallel, axis=k.axis, scores=max(k.scores, 0), order=k.order)
     if source_graph is not None:
         p.source_graph.CopyFrom(source_graph.to_pb())
     if kg.prepare is not None:
@@ -229,8 +230,10 @@ def kernel_graph_from_pb(p) -> KernelGraph:
             if k.scores not in k.nodes or gemm_axes(g, k.scores) is None or pv is None or \
                     pv.a_root not in k.nodes or not 0 <= k.axis < len(g.nodes[pv.a_root].shape):
                 raise ValueError(f"attention kernel {k.name!r} does not name its two GEMMs and its row axis")
+        if k.order not in ("", "axis-outer") or (k.order and k.kind != "reduce"):
+            raise ValueError(f"kernel {k.name!r} has an unknown loop order {k.order!r} for a {k.kind} kernel")
         kernels.append(Kernel(k.name, k.kind, tuple(k.nodes), k.output, tuple(k.reads), k.parallel, k.axis,
-                              k.scores if k.kind == "attention" else -1))
+                              k.scores if k.kind == "attention" else -1, k.order))
     prepare = graph_from_pb(p.prepare) if p.HasField("prepare") else None
     check_prepare(g, prepare)
     return KernelGraph(g, tuple(kernels), prepare)

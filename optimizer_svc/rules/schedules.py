@@ -3,11 +3,16 @@
 Every e-class holding a kernel the partition always forms (a GEMM, fused attention, a softmax,
 RMS norm or layer norm row kernel, a reduction) gets `Term.scheduled(x, "serial")` and
 `Term.scheduled(x, "parallel")` members: one thread, or the kernel's outer loop (a GEMM's
-blocks of rows) split across the target's pool. The rules fire only when the search knows the
+blocks of rows) split across the target's pool. A plain reduction also gets each with
+"/axis-outer", its loop order: the reduced axis looped outside the axes after it, reading the
+input in memory order into a row of accumulators, where the default order reads it with the
+stride of those axes. The rules fire only when the search knows the
 target's pool (`pool_threads`, entered from its TargetProfile). A schedule member reads its own
 e-class: it names how the class's kernel is computed, never what. Extraction prices each of a
 kernel's schedules from the profile (work over the threads its outer loop can use, plus the
-measured fixed cost of a parallel or a serial kernel) and gives the kernel its cheapest; the
+measured fixed cost of a parallel or a serial kernel; a read with a stride of a cache line or
+more costs STRIDED_READ, the axis-outer order's accumulator ACCUMULATE) and gives the kernel
+its cheapest; the
 choice reaches the partition as `Node.schedule`. So a GEMM too small to repay waking the pool
 stays serial and a large one splits, each by the same cost that picks the kernels themselves.
 Reductions of few rows may be split along their reduced axis (rules/reductions.py) to give the
@@ -30,9 +35,16 @@ _n, _eps = var("n", f64), var("eps", f64)
 KERNELS = (Term.gemm(_x, _y, _k), Term.attention(_x, _s, _y, _k), Term.softmax(_x, _k),
            Term.rms_norm(_x, _k, _n, _eps), Term.layer_norm(_x, _k, _n, _eps), Term.sum_reduce(_x, _k),
            Term.max_reduce(_x, _k))
+REDUCTIONS = (Term.sum_reduce(_x, _k), Term.max_reduce(_x, _k))
 
-schedules.register(*(
-    rule(eq(_e).to(kernel), eq(_t).to(pool_threads()), _t > i64(1)).then(
-        union(_e).with_(Term.scheduled(_e, String("serial"))),
-        union(_e).with_(Term.scheduled(_e, String("parallel"))))
-    for kernel in KERNELS))
+
+def _offer(*names):
+    return [union(_e).with_(Term.scheduled(_e, String(n))) for n in names]
+
+
+schedules.register(
+    *(rule(eq(_e).to(kernel), eq(_t).to(pool_threads()), _t > i64(1)).then(*_offer("serial", "parallel"))
+      for kernel in KERNELS),
+    # loop order: a plain reduction may loop its axis outside the axes after it
+    *(rule(eq(_e).to(kernel), eq(_t).to(pool_threads()), _t > i64(1)).then(
+        *_offer("serial/axis-outer", "parallel/axis-outer")) for kernel in REDUCTIONS))
