@@ -469,7 +469,7 @@ class _KernelWriter:
         p = pa.a_root
         S = g.nodes[p].shape
         a = k.axis
-        T = ATTENTION_TILE
+        T = k.tile or ATTENTION_TILE  # the search's tile (Kernel.tile), else the default
         ks, kp = g.nodes[gs].axis, g.nodes[gp].axis
         q_args = (sa.a_node, sa.a_root, sa.a_spec, list(sa.batch_axes), list(sa.m_axes), ks, Fs, Bt, Mt, Ks,
                   g.nodes[gs].dtype)

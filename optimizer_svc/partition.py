@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from kiln.ir.graph import AXIS_OUTER, Graph
+from kiln.ir.graph import Graph, parse_schedule
 from kiln.ir.kernel import (Kernel, KernelGraph, broadcasts, compose_chain, flat_reads, gemm_axes, gemm_dims,
                              gemm_writes_rows, kernel_gemm, view_root)
 from kiln.ir.ops import GroupOp, Op
@@ -136,15 +136,14 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
         n = g.nodes[i]
         return evaluate_dim(numel(g.nodes[n.inputs[0]].shape if n.op in GroupOp.Reduce else n.shape), largest)
 
-    def chosen(k: Kernel) -> str:  # the search's schedule for the kernel, where its root has one
-        if not schedule.searched:
-            return ""
-        root = kernel_gemm(g, k) if k.kind == "gemm" else k.output
-        return g.nodes[root].schedule if k.kind in ("gemm", "attention", "row", "reduce") else ""
+    def chosen(k: Kernel):  # the search's schedule for the kernel, where its root has one
+        if not schedule.searched or k.kind not in ("gemm", "attention", "row", "reduce"):
+            return None
+        return parse_schedule(g.nodes[kernel_gemm(g, k) if k.kind == "gemm" else k.output].schedule)
 
     def parallel(k: Kernel) -> bool:
-        if chosen(k):
-            return chosen(k).split("/")[0] == "parallel"
+        if chosen(k) is not None:
+            return chosen(k).parallel
         if k.kind in ("elementwise", "reduce", "row"):
             return work(k.output) >= schedule.parallel_min_elements
         if k.kind == "gemm":
@@ -155,9 +154,13 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
         return False
 
     def order(k: Kernel) -> str:
-        return "axis-outer" if k.kind == "reduce" and chosen(k).endswith(AXIS_OUTER) else ""
+        return "axis-outer" if k.kind == "reduce" and chosen(k) is not None and chosen(k).axis_outer else ""
 
-    return KernelGraph(g, tuple(dataclasses.replace(k, parallel=parallel(k), order=order(k)) for k in kg.kernels))
+    def tile(k: Kernel) -> int:
+        return chosen(k).tile if k.kind == "attention" and chosen(k) is not None else 0
+
+    return KernelGraph(g, tuple(dataclasses.replace(k, parallel=parallel(k), order=order(k), tile=tile(k))
+                                for k in kg.kernels))
 
 
 def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Kernel]:

@@ -19,7 +19,7 @@ from egglog.pretty import pretty_decl
 
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
-from kiln.ir.graph import Graph
+from kiln.ir.graph import ATTENTION_TILES, Graph
 from kiln.ir.kernel import flat_preserving
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import evaluate_dim, numel
@@ -603,6 +603,7 @@ GEMM_BLOCK_ROWS = 64  # codegen's fewest rows per block of a GEMM split across t
 STRIDED_READ = 3.0
 ACCUMULATE = 0.5
 LINE_ELEMENTS = 16
+TILE_CACHE_BYTES = 1 << 18  # an attention tile's scores, probabilities and output rows stay in cache up to this
 
 
 def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], largest: dict, work: float,
@@ -618,12 +619,33 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
     def first_loop(dims) -> int:
         return next((d for d in dims if d > 1), 1)
 
-    if name in ("gemm", "attention"):
+    def product(dims) -> int:
+        total = 1
+        for d in dims:
+            total *= d
+        return total
+
+    if name == "gemm":
         work *= pool.gemm_mac / GEMM_WEIGHT  # the target's BLAS rate, not extraction's flat weight
-        rows = 1
-        for d in out[:-1]:
-            rows *= d
-        orders = {"": (work, rows // GEMM_BLOCK_ROWS)}
+        axis = _literal(nodes[n["children"][2]])
+        dims = [d for j, d in enumerate(out) if j != axis]  # batch.., M, N (N last)
+        orders = {"": (work, product(dims[:-1]) // GEMM_BLOCK_ROWS)}
+    elif name == "attention":
+        axis = _literal(nodes[n["children"][3]])
+        dims = [d for j, d in enumerate(out) if j != axis]  # batch.., M, D
+        batch, m, d = product(dims[:-2]), dims[-2] if len(dims) > 1 else 1, dims[-1] if dims else 1
+        p_class, v_class = nodes[n["children"][0]]["eclass"], nodes[n["children"][2]]["eclass"]
+        p_elements = product(evaluate_dim(x, largest) for x in shapes.get(p_class, ()))
+        keys = max(1, p_elements // max(1, batch * m))
+        # P · V at the target's BLAS rate, less what never writing nor reading P saves
+        macs = product(evaluate_dim(x, largest) for x in shapes.get(v_class, ()))
+        work = max(0.0, macs * pool.gemm_mac - ATTENTION_SAVING * p_elements)
+        orders = {}
+        for t in ATTENTION_TILES:
+            tasks = batch * -(-m // t)
+            cold = STRIDED_READ * 2 * batch * m * keys if (2 * keys + d) * t * 4 > TILE_CACHE_BYTES else 0.0
+            # per task two BLAS calls; the pool shares the tasks, their calls and cache misses
+            orders[f"/tile={t}"] = (work + 2 * tasks * pool.serial_overhead + cold, tasks)
     elif name in ("sum_reduce", "max_reduce"):
         axis = _literal(nodes[n["children"][1]])
         inner = 1
@@ -759,7 +781,7 @@ def _extract(g: Graph, enc: _Encoder, ser: dict, pool: Optional[Pool] = None) ->
                 costs = _schedule_costs(nodes[nid], cls, nodes, shapes, largest, own[nid], pool)
                 usable = [s for s in costs if s in offered]
                 if usable:
-                    schedule[nid] = min(usable, key=lambda s: (costs[s], s))
+                    schedule[nid] = min(usable, key=lambda s: (costs[s], len(s), s))  # ties: the smaller tile
                     own[nid] = costs[schedule[nid]]
     best: dict[str, tuple[float, str]] = {}
     changed = True

@@ -69,7 +69,7 @@ class Term(Expr):
     # schedule choices (rules/schedules.py)
     @classmethod
     def scheduled(cls, x: Term, schedule: StringLike) -> Term:
-        """x's kernel run under `schedule` (kiln.ir.graph.SCHEDULES): unioned with x itself, so
+        """x's kernel run under `schedule` (kiln.ir.graph.parse_schedule): unioned with x itself, so
         the schedules of a kernel are members of its e-class that extraction prices beside it."""
     @classmethod
     def output(cls, index: i64Like, x: Term) -> Term:

@@ -129,11 +129,36 @@ def test_schedule_marks_roundtrip_and_are_checked():
     nodes[-1] = dataclasses.replace(nodes[-1], schedule="parallel")  # the graph's SumReduce
     marked = Graph(tuple(nodes), g.inputs, g.weights, g.outputs, g.output_names)
     assert graph_from_pb(graph_to_pb(marked)).nodes[-1].schedule == "parallel"
-    for i, mark, why in ((len(nodes) - 2, "serial", "no kernel root"), (len(nodes) - 1, "vectorized", "unknown")):
+    cases = ((len(nodes) - 2, "serial", "no kernel root"), (len(nodes) - 1, "vectorized", "unknown"),
+             (len(nodes) - 1, "parallel/tile=48", "unknown"), (len(nodes) - 1, "serial/tile=64", "only an attention"),
+             (len(nodes) - 1, "serial/axis-outer/axis-outer", "unknown"))
+    for i, mark, why in cases:
         bad = list(g.nodes)
         bad[i] = dataclasses.replace(bad[i], schedule=mark)
         with pytest.raises(ValueError, match=why):
             graph_from_pb(graph_to_pb(Graph(tuple(bad), g.inputs, g.weights, g.outputs)))
+
+
+def test_kernel_loop_order_and_tile_roundtrip_and_are_checked():
+    """A reduce kernel's loop order survives serialization; a loop order on another kind of
+    kernel, an unknown one, or a tile on anything but attention (or of no offered size) is a
+    malformed kernel graph."""
+    import dataclasses
+
+    from kiln.ir.kernel import KernelGraph, kernel_graph_from_pb, kernel_graph_to_pb
+    from optimizer_svc.partition import partition
+
+    kg = partition(_small_graph())
+    (red,) = [k for k in kg.kernels if k.kind == "reduce"]
+    ordered = KernelGraph(kg.graph, tuple(dataclasses.replace(k, order="axis-outer") if k is red else k
+                                          for k in kg.kernels))
+    assert kernel_graph_from_pb(kernel_graph_to_pb(ordered)) == ordered
+    for change, why in (({"order": "k-outer"}, "loop order"), ({"kind": "elementwise", "order": "axis-outer"},
+                                                                 "loop order"),
+                        ({"tile": 64}, "tile"), ({"tile": 48}, "tile")):
+        bad = KernelGraph(kg.graph, tuple(dataclasses.replace(k, **change) if k is red else k for k in kg.kernels))
+        with pytest.raises(ValueError, match=why):
+            kernel_graph_from_pb(kernel_graph_to_pb(bad))
 
 
 def test_validate_rejects_cycles_and_dangling_refs():

@@ -570,3 +570,26 @@ def test_reduction_loop_order_is_a_schedule(op):
     orders = {opt.nodes[k.output].axis: k.order for k in kg.kernels if k.kind == "reduce"}
     assert orders == {0: "axis-outer", 1: ""}
     assert all(k.order == "" for k in partition(opt, schedule=Schedule(searched=False)).kernels)
+
+
+@pytest.mark.parametrize("keys,tile", [(64, 128), (256, 64)])
+def test_attention_tile_is_a_schedule(keys, tile):
+    """Fused attention's tile of query rows is a schedule e-node: over 256 query rows, the
+    search takes the largest tile (fewest BLAS calls) whose scores and probabilities stay in
+    cache: 128 rows for 64 keys, 64 rows for 256 keys. The partition gives the kernel that
+    tile, and the program still computes what torch computes."""
+    from importer_svc.importer import lower_program
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 1, 256, 16)
+    kv = torch.randn(1, 1, keys, 16)
+    module = _Fn(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    g, _ = lower_program(torch.export.export(module, (q, kv, kv)))
+    opt, _ = saturate(g, SearchLimits(pool=POOL))
+    (sched,) = [n.schedule for n in opt.nodes if n.kernel == "attention"]
+    assert sched.endswith(f"/tile={tile}"), sched
+    (att,) = [k for k in partition(opt).kernels if k.kind == "attention"]
+    assert att.tile == tile
+    feeds = {t.name: a.numpy() for t, a in zip(g.inputs, (q, kv, kv))}
+    (got,) = evaluate(opt, feeds, {})
+    np.testing.assert_allclose(got, module(q, kv, kv).numpy(), rtol=1e-4, atol=1e-5)

@@ -56,7 +56,7 @@ class GraphBuilder:
                               node.axis, kernel=node.kernel, schedule=node.schedule))
 
     def set_schedule(self, i: int, schedule: str) -> None:
-        """Record the search's schedule for the kernel rooted at node i (kiln.ir.graph.SCHEDULES),
+        """Record the search's schedule for the kernel rooted at node i (kiln.ir.graph.parse_schedule),
         in place: a schedule says how to compute the node, never what it computes."""
         old = self.nodes[i]
         new = dataclasses.replace(old, schedule=schedule)

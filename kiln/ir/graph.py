@@ -27,7 +27,7 @@ class Node:
     axis: int = 0               # reductions, Gather, Scatter
     source: str = ""            # where the node came from (ATen op and source line), for errors
     kernel: str = ""            # the kernel the search chose to compute this node in (KERNEL_CHOICES)
-    schedule: str = ""          # the search's schedule for the kernel this node is the root of (SCHEDULES)
+    schedule: str = ""          # the search's schedule for the kernel this node is the root of (parse_schedule)
 
 
 # The kernel choices the search records on nodes (optimizer_svc/rules: matmul, norms, attention):
@@ -37,12 +37,41 @@ KERNEL_CHOICES = {"gemm": (Op.SUM_REDUCE,), "attention": (Op.SUM_REDUCE,), "row"
 
 # The schedule choices the search records on a kernel's root (optimizer_svc/rules/schedules.py):
 # "" leaves it to the partition's thresholds; "serial" runs the kernel on one thread, "parallel"
-# splits its outer loop (a GEMM: its rows) across the pool; "/axis-outer" (plain reductions
-# only) puts the reduction's loop outside the loops over the axes after it, so the input is read
-# in its memory order. Only reductions (GEMMs, attention) and row kernels' roots carry one:
-# they are kernel roots whatever else the partition decides.
-SCHEDULES = ("", "serial", "parallel", "serial/axis-outer", "parallel/axis-outer")
-AXIS_OUTER = "/axis-outer"
+# splits its outer loop (a GEMM: its rows) across the pool; then optionally "/axis-outer" (plain
+# reductions) puts the reduction's loop outside the loops over the axes after it, so the input
+# is read in its memory order, and "/tile=N" (attention) works N query rows at a time. Only
+# reductions (GEMMs, attention) and row kernels' roots carry one: they are kernel roots
+# whatever else the partition decides.
+ATTENTION_TILES = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class KernelSchedule:
+    parallel: bool
+    axis_outer: bool = False
+    tile: int = 0  # 0: the codegen's default tile
+
+    def __str__(self) -> str:
+        return (("parallel" if self.parallel else "serial") + ("/axis-outer" if self.axis_outer else "")
+                + (f"/tile={self.tile}" if self.tile else ""))
+
+
+def parse_schedule(s: str) -> Optional[KernelSchedule]:
+    """A node's schedule string as a KernelSchedule (None for ""); ValueError when malformed."""
+    if not s:
+        return None
+    head, *rest = s.split("/")
+    if head not in ("serial", "parallel"):
+        raise ValueError(f"unknown schedule {s!r}")
+    axis_outer, tile = False, 0
+    for part in rest:
+        if part == "axis-outer" and not axis_outer and not tile:
+            axis_outer = True
+        elif part.startswith("tile=") and not tile and part[5:] in {str(t) for t in ATTENTION_TILES}:
+            tile = int(part[5:])
+        else:
+            raise ValueError(f"unknown schedule {s!r}")
+    return KernelSchedule(head == "parallel", axis_outer, tile)
 
 
 @dataclass(frozen=True)
@@ -128,12 +157,16 @@ def validate(g: Graph) -> None:
             raise ValueError(f"node %{i} View has no spec or a spec of the wrong shape")
         if n.kernel and n.op not in KERNEL_CHOICES.get(n.kernel, ()):
             raise ValueError(f"node %{i} {n.op.value} cannot be computed as a {n.kernel!r} kernel")
-        if n.schedule not in SCHEDULES:
-            raise ValueError(f"node %{i} has an unknown schedule {n.schedule!r}")
-        if n.schedule and n.op not in GroupOp.Reduce and n.kernel != "row":
+        try:
+            sched = parse_schedule(n.schedule)
+        except ValueError as e:
+            raise ValueError(f"node %{i}: {e}") from None
+        if sched is not None and n.op not in GroupOp.Reduce and n.kernel != "row":
             raise ValueError(f"node %{i} {n.op.value} is no kernel root and cannot carry a schedule")
-        if n.schedule.endswith(AXIS_OUTER) and (n.op not in GroupOp.Reduce or n.kernel):
+        if sched is not None and sched.axis_outer and (n.op not in GroupOp.Reduce or n.kernel):
             raise ValueError(f"node %{i}: only a plain reduction's loops can be reordered")
+        if sched is not None and sched.tile and n.kernel != "attention":
+            raise ValueError(f"node %{i}: only an attention kernel has a tile of query rows")
     for o in g.outputs:
         if not 0 <= o < len(g.nodes):
             raise ValueError(f"graph output %{o} does not exist")

@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
-from kiln.ir.graph import Graph
+from kiln.ir.graph import ATTENTION_TILES, Graph
 from kiln.ir.ops import Op
 from kiln.ir.shape import contiguous_strides, numel
 from kiln.ir.view import ViewSpec, compose
@@ -23,6 +23,7 @@ class Kernel:
     axis: int = -1            # row and attention kernels: the axis their reductions run along
     scores: int = -1          # attention kernels: the first GEMM (Q·Kᵀ); `output` is the second (P·V)
     order: str = ""           # reduce kernels: "axis-outer" loops the reduced axis outside the axes after it
+    tile: int = 0             # attention kernels: query rows per tile (0: codegen's default)
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,8 @@ def kernel_graph_to_pb(kg: KernelGraph, source_graph=None):
     p = ir_pb2.KernelGraph(graph=graph_to_pb(kg.graph))
     for k in kg.kernels:
         p.kernels.add(name=k.name, kind=k.kind, nodes=list(k.nodes), output=k.output, reads=list(k.reads),
-                      parallel=k.parallel, axis=k.axis, scores=max(k.scores, 0), order=k.order)
+                      parallel=k.parallel, axis=k.axis, scores=max(k.scores, 0), order=k.order,
+                      tile=k.tile)
     if source_graph is not None:
         p.source_graph.CopyFrom(source_graph.to_pb())
     if kg.prepare is not None:
@@ -232,8 +234,10 @@ def kernel_graph_from_pb(p) -> KernelGraph:
                 raise ValueError(f"attention kernel {k.name!r} does not name its two GEMMs and its row axis")
         if k.order not in ("", "axis-outer") or (k.order and k.kind != "reduce"):
             raise ValueError(f"kernel {k.name!r} has an unknown loop order {k.order!r} for a {k.kind} kernel")
+        if k.tile and (k.kind != "attention" or k.tile not in ATTENTION_TILES):
+            raise ValueError(f"kernel {k.name!r}: a tile of {k.tile} rows for a {k.kind} kernel")
         kernels.append(Kernel(k.name, k.kind, tuple(k.nodes), k.output, tuple(k.reads), k.parallel, k.axis,
-                              k.scores if k.kind == "attention" else -1, k.order))
+                              k.scores if k.kind == "attention" else -1, k.order, k.tile))
     prepare = graph_from_pb(p.prepare) if p.HasField("prepare") else None
     check_prepare(g, prepare)
     return KernelGraph(g, tuple(kernels), prepare)

@@ -6,23 +6,30 @@ RMS norm or layer norm row kernel, a reduction) gets `Term.scheduled(x, "serial"
 blocks of rows) split across the target's pool. A plain reduction also gets each with
 "/axis-outer", its loop order: the reduced axis looped outside the axes after it, reading the
 input in memory order into a row of accumulators, where the default order reads it with the
-stride of those axes. The rules fire only when the search knows the
-target's pool (`pool_threads`, entered from its TargetProfile). A schedule member reads its own
-e-class: it names how the class's kernel is computed, never what. Extraction prices each of a
-kernel's schedules from the profile (work over the threads its outer loop can use, plus the
-measured fixed cost of a parallel or a serial kernel; a read with a stride of a cache line or
-more costs STRIDED_READ, the axis-outer order's accumulator ACCUMULATE) and gives the kernel
-its cheapest; the
-choice reaches the partition as `Node.schedule`. So a GEMM too small to repay waking the pool
-stays serial and a large one splits, each by the same cost that picks the kernels themselves.
-Reductions of few rows may be split along their reduced axis (rules/reductions.py) to give the
-pool an outer loop to share.
+stride of those axes. Fused attention's schedules carry its tile size ("/tile=N", N query rows
+at a time): small tiles give the pool more tasks, large ones fewer BLAS calls, until a tile's
+scores and probabilities no longer stay in cache. The rules fire only when the search knows
+the target's pool (`pool_threads`, entered from its TargetProfile).
+
+A schedule member reads its own e-class: it names how the class's kernel is computed, never
+what. Extraction (search._schedule_costs) prices each of a kernel's schedules from the profile:
+work over the threads its outer loop can use, plus the measured fixed cost of a parallel or a
+serial kernel; a read with a stride of a cache line or more costs STRIDED_READ per element, the
+axis-outer order's accumulators ACCUMULATE; an attention tile's two BLAS calls cost a serial
+kernel's fixed cost each, its scores STRIDED_READ when the tile outgrows TILE_CACHE_BYTES. The
+kernel gets its cheapest schedule, and the choice reaches the partition as `Node.schedule`: a
+GEMM too small to repay waking the pool stays serial and a large one splits, by the same cost
+that picks the kernels themselves. Reductions of few rows may be split along their reduced
+axis (rules/reductions.py) to give the pool an outer loop to share. Vector widths are not a
+choice here: numba's LLVM picks them for each loop (kernels are compiled with reassociation
+allowed, so reductions vectorize).
 """
 
 from __future__ import annotations
 
 from egglog import String, eq, f64, i64, rule, ruleset, union, var
 
+from kiln.ir.graph import ATTENTION_TILES
 from optimizer_svc.terms import Term, pool_threads
 
 schedules = ruleset(name="schedules")
@@ -32,9 +39,8 @@ _k, _t = var("k", i64), var("t", i64)
 _s = var("s", String)
 _n, _eps = var("n", f64), var("eps", f64)
 
-KERNELS = (Term.gemm(_x, _y, _k), Term.attention(_x, _s, _y, _k), Term.softmax(_x, _k),
-           Term.rms_norm(_x, _k, _n, _eps), Term.layer_norm(_x, _k, _n, _eps), Term.sum_reduce(_x, _k),
-           Term.max_reduce(_x, _k))
+KERNELS = (Term.gemm(_x, _y, _k), Term.softmax(_x, _k), Term.rms_norm(_x, _k, _n, _eps),
+           Term.layer_norm(_x, _k, _n, _eps), Term.sum_reduce(_x, _k), Term.max_reduce(_x, _k))
 REDUCTIONS = (Term.sum_reduce(_x, _k), Term.max_reduce(_x, _k))
 
 
@@ -47,4 +53,7 @@ schedules.register(
       for kernel in KERNELS),
     # loop order: a plain reduction may loop its axis outside the axes after it
     *(rule(eq(_e).to(kernel), eq(_t).to(pool_threads()), _t > i64(1)).then(
-        *_offer("serial/axis-outer", "parallel/axis-outer")) for kernel in REDUCTIONS))
+        *_offer("serial/axis-outer", "parallel/axis-outer")) for kernel in REDUCTIONS),
+    # tile size: the query rows fused attention works at a time
+    rule(eq(_e).to(Term.attention(_x, _s, _y, _k)), eq(_t).to(pool_threads()), _t > i64(1)).then(
+        *_offer(*(f"{p}/tile={t}" for p in ("serial", "parallel") for t in ATTENTION_TILES))))
