@@ -395,7 +395,20 @@ class _KernelWriter:
 
     # ---- kernel bodies ----
 
-    def loops(self, shape, skip_axis=None, parallel=False):
+    def loops(self, shape, skip_axis=None, parallel=False, collapse=False):
+        """Nested loops over shape (but skip_axis), the first of more than one iteration on the
+        pool when parallel; collapsed: one pool loop over all their iterations, unravelled."""
+        if parallel and collapse:
+            looped = tuple(1 if k == skip_axis else d for k, d in enumerate(shape))
+            lines = [f"    for fi in prange({_d(numel(looped))}):"]
+            idx = []
+            for k, e in enumerate(self.unravel("fi", looped)):
+                if k == skip_axis or e == "0":
+                    idx.append(None if k == skip_axis else "0")
+                    continue
+                lines.append(f"        i{k} = {e}")
+                idx.append(f"i{k}")
+            return lines, idx, 2
         lines, idx, depth = [], [], 1
         first = True
         for k, d in enumerate(shape):
@@ -444,7 +457,7 @@ class _KernelWriter:
         partition guarantees every read of a reduction here is within the current row."""
         n = self.g.nodes[self.k.output]
         a = self.k.axis
-        lines, idx, depth = self.loops(n.shape, skip_axis=a, parallel=self.k.parallel)
+        lines, idx, depth = self.loops(n.shape, skip_axis=a, parallel=self.k.parallel, collapse=self.k.collapse)
         pad = "    " * depth
         lines += self.row_reductions(pad, idx, [q for q in self.k.nodes if self.g.nodes[q].op in GroupOp.Reduce])
         oidx = list(idx)
@@ -626,7 +639,8 @@ class _KernelWriter:
         n = self.g.nodes[self.k.output]
         if self.k.order == "axis-outer":
             return self.emit_reduce_axis_outer()
-        lines, idx, depth = self.loops(n.shape, skip_axis=n.axis, parallel=self.k.parallel)
+        lines, idx, depth = self.loops(n.shape, skip_axis=n.axis, parallel=self.k.parallel,
+                                       collapse=self.k.collapse)
         pad = "    " * depth
         lines += self.reduction(pad, self.k.output, idx, "acc")
         oidx = list(idx)
@@ -646,7 +660,7 @@ class _KernelWriter:
             else self.const(0.0, n.dtype)
         inner_shape = tuple(n.shape[a + 1:])
         outer = tuple(d if j < a else 1 for j, d in enumerate(n.shape))
-        lines, idx, depth = self.loops(outer, parallel=self.k.parallel)
+        lines, idx, depth = self.loops(outer, parallel=self.k.parallel, collapse=self.k.collapse)
         pad = "    " * depth
         size = _d(numel(inner_shape))
         lines += [pad + f"acc = np.empty({size}, dtype={_COMPUTE[n.dtype]})",

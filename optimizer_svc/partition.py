@@ -159,8 +159,11 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
     def tile(k: Kernel) -> int:
         return chosen(k).tile if k.kind == "attention" and chosen(k) is not None else 0
 
-    return KernelGraph(g, tuple(dataclasses.replace(k, parallel=parallel(k), order=order(k), tile=tile(k))
-                                for k in kg.kernels))
+    def collapse(k: Kernel) -> bool:
+        return k.kind in ("reduce", "row") and chosen(k) is not None and chosen(k).collapse
+
+    return KernelGraph(g, tuple(dataclasses.replace(k, parallel=parallel(k), order=order(k), tile=tile(k),
+                                                    collapse=collapse(k)) for k in kg.kernels))
 
 
 def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Kernel]:

@@ -612,7 +612,8 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
     fixed cost; parallel, its work over the threads its outer loop can keep busy plus a parallel
     kernel's fixed cost. A GEMM (or attention) shares blocks of at least GEMM_BLOCK_ROWS rows of
     its result; a reduction or row kernel, its first loop of more than one iteration (in the
-    axis-outer order, of the axes before the reduced one)."""
+    axis-outer order, of the axes before the reduced one), or collapsed, all its outer loops'
+    iterations."""
     name = _BY_NAME[n["op"]]
     out = [evaluate_dim(d, largest) for d in shapes.get(cls, ())]
 
@@ -629,7 +630,7 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
         work *= pool.gemm_mac / GEMM_WEIGHT  # the target's BLAS rate, not extraction's flat weight
         axis = _literal(nodes[n["children"][2]])
         dims = [d for j, d in enumerate(out) if j != axis]  # batch.., M, N (N last)
-        orders = {"": (work, product(dims[:-1]) // GEMM_BLOCK_ROWS)}
+        orders = {"": (work, product(dims[:-1]) // GEMM_BLOCK_ROWS, None)}
     elif name == "attention":
         axis = _literal(nodes[n["children"][3]])
         dims = [d for j, d in enumerate(out) if j != axis]  # batch.., M, D
@@ -645,24 +646,27 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
             tasks = batch * -(-m // t)
             cold = STRIDED_READ * 2 * batch * m * keys if (2 * keys + d) * t * 4 > TILE_CACHE_BYTES else 0.0
             # per task two BLAS calls; the pool shares the tasks, their calls and cache misses
-            orders[f"/tile={t}"] = (work + 2 * tasks * pool.serial_overhead + cold, tasks)
+            orders[f"/tile={t}"] = (work + 2 * tasks * pool.serial_overhead + cold, tasks, None)
     elif name in ("sum_reduce", "max_reduce"):
         axis = _literal(nodes[n["children"][1]])
         inner = 1
         for d in out[axis + 1:]:
             inner *= d
-        orders = {"": (work, first_loop(out))}
+        orders = {"": (work, first_loop(out), product(out))}
         if inner > 1:  # the axes after the reduced one: the default order's stride
-            orders = {"": (work * (1 + (STRIDED_READ if inner >= LINE_ELEMENTS else 0.0)), first_loop(out)),
-                      "/axis-outer": (work * (1 + ACCUMULATE), first_loop(out[:axis]))}
+            orders = {"": (work * (1 + (STRIDED_READ if inner >= LINE_ELEMENTS else 0.0)), first_loop(out),
+                           product(out)),
+                      "/axis-outer": (work * (1 + ACCUMULATE), first_loop(out[:axis]), product(out[:axis]))}
     else:  # row kernels: the row axis is not looped over outside
         axis = _literal(nodes[n["children"][1]])
-        orders = {"": (work, first_loop([d for j, d in enumerate(out) if j != axis]))}
+        rows = [d for j, d in enumerate(out) if j != axis]
+        orders = {"": (work, first_loop(rows), product(rows))}
     costs = {}
-    for order, (w, usable) in orders.items():
-        usable = max(1, min(pool.threads, usable))
+    for order, (w, usable, collapsed) in orders.items():
         costs["serial" + order] = w + pool.serial_overhead
-        costs["parallel" + order] = w / usable + pool.parallel_overhead
+        costs["parallel" + order] = w / max(1, min(pool.threads, usable)) + pool.parallel_overhead
+        if collapsed is not None:
+            costs["parallel" + order + "/collapse"] = w / max(1, min(pool.threads, collapsed)) + pool.parallel_overhead
     return costs
 
 

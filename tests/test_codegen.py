@@ -132,6 +132,32 @@ def test_reduction_in_axis_outer_order_matches(local_pipeline, dtype):
         assert torch.isnan(got[3, 5]) and torch.isnan(got).sum() == 1
 
 
+def test_collapsed_parallel_loops_match(local_pipeline):
+    """Under an 8-thread target profile the search collapses the outer loops of a softmax and of
+    a reduction whose first loop is short (2) into one pool loop; the kernels unravel it and
+    match torch (the pool here has 2 threads: a schedule never changes what is computed)."""
+    from kiln.ir.kernel import kernel_graph_from_pb
+    from kiln.v1 import services_pb2
+
+    profile = services_pb2.TargetProfile(target="cpu", threads=8, elementwise_gelems=8.0, bandwidth_gbs=30.0,
+                                         kernel_overhead_us=2.0, serial_overhead_us=0.3)
+    profile.gemm.add(shape_class="square", m=512, n=512, k=512, gflops=100.0)
+    d = local_pipeline.store.put_message(profile)
+    x = torch.randn(2, 48, 256)
+    fn = lambda x: (torch.softmax(x, -1), x.sum(-1))  # noqa: E731
+    ep = torch.export.export(Fn(fn), (x,))
+    result = local_pipeline.compile_program(local_pipeline.upload_program(ep), target_profile=d, candidates=1)
+    kg = kernel_graph_from_pb(local_pipeline.store.get_message(result.kernel_graph, ir_pb2.KernelGraph))
+    collapsed = [k.kind for k in kg.kernels if k.collapse]
+    assert sorted(collapsed) == ["reduce", "row"], [(k.kind, k.parallel, k.collapse) for k in kg.kernels]
+    bundle = local_pipeline.store.get_message(result.bundle, ir_pb2.Bundle)
+    assert all("for fi in prange(96)" in k.source for k in bundle.kernels if k.kind in ("row", "reduce"))
+    session = local_pipeline.load(result.bundle, result.manifest)
+    compiled = kiln.pipeline.CompiledModule(local_pipeline, result, session, ep.call_spec.in_spec)
+    for got, want in zip(compiled(x), fn(x)):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_convolution_packs_its_rows_in_small_blocks_and_matches(local_pipeline):
     """A convolution's GEMM reads A through an im2col view: each sub-block of rows is packed
     just before BLAS reads it. Its B (72 x 8) is small, so the sub-blocks are short (64 rows,

@@ -593,3 +593,22 @@ def test_attention_tile_is_a_schedule(keys, tile):
     feeds = {t.name: a.numpy() for t, a in zip(g.inputs, (q, kv, kv))}
     (got,) = evaluate(opt, feeds, {})
     np.testing.assert_allclose(got, module(q, kv, kv).numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_parallel_axes_collapse_when_the_first_loop_is_short():
+    """A softmax over [2, 64, 128] rows on an 8-thread pool: its first loop has 2 iterations, so
+    sharing only it keeps 6 threads idle; the search collapses the outer loops (128 rows) into
+    one pool loop. On the 2-thread pool the first loop is enough, and the plain parallel
+    schedule is kept."""
+    b = GraphBuilder()
+    x = b.input("x", (2, 64, 128), DType.F32)
+    from optimizer_svc.rules.norms import softmax_primitives
+
+    g = b.build([softmax_primitives(b, x, 2)])
+    wide = Pool(threads=8, parallel_overhead=2600.0, serial_overhead=340.0, gemm_mac=0.014)
+    opt, _ = saturate(g, SearchLimits(pool=wide))
+    assert [n.schedule for n in opt.nodes if n.kernel == "row"] == ["parallel/collapse"]
+    (row,) = [k for k in partition(opt).kernels if k.kind == "row"]
+    assert row.parallel and row.collapse
+    opt, _ = saturate(g, SearchLimits(pool=POOL))
+    assert [n.schedule for n in opt.nodes if n.kernel == "row"] == ["parallel"]

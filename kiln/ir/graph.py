@@ -39,7 +39,9 @@ KERNEL_CHOICES = {"gemm": (Op.SUM_REDUCE,), "attention": (Op.SUM_REDUCE,), "row"
 # "" leaves it to the partition's thresholds; "serial" runs the kernel on one thread, "parallel"
 # splits its outer loop (a GEMM: its rows) across the pool; then optionally "/axis-outer" (plain
 # reductions) puts the reduction's loop outside the loops over the axes after it, so the input
-# is read in its memory order, and "/tile=N" (attention) works N query rows at a time. Only
+# is read in its memory order, "/collapse" (parallel reductions and row kernels) shares all
+# their outer loops' iterations across the pool as one loop rather than only the first loop's,
+# and "/tile=N" (attention) works N query rows at a time. Only
 # reductions (GEMMs, attention) and row kernels' roots carry one: they are kernel roots
 # whatever else the partition decides.
 ATTENTION_TILES = (16, 32, 64, 128)
@@ -49,11 +51,12 @@ ATTENTION_TILES = (16, 32, 64, 128)
 class KernelSchedule:
     parallel: bool
     axis_outer: bool = False
+    collapse: bool = False
     tile: int = 0  # 0: the codegen's default tile
 
     def __str__(self) -> str:
         return (("parallel" if self.parallel else "serial") + ("/axis-outer" if self.axis_outer else "")
-                + (f"/tile={self.tile}" if self.tile else ""))
+                + ("/collapse" if self.collapse else "") + (f"/tile={self.tile}" if self.tile else ""))
 
 
 def parse_schedule(s: str) -> Optional[KernelSchedule]:
@@ -63,15 +66,17 @@ def parse_schedule(s: str) -> Optional[KernelSchedule]:
     head, *rest = s.split("/")
     if head not in ("serial", "parallel"):
         raise ValueError(f"unknown schedule {s!r}")
-    axis_outer, tile = False, 0
+    axis_outer, collapse, tile = False, False, 0
     for part in rest:
-        if part == "axis-outer" and not axis_outer and not tile:
+        if part == "axis-outer" and not (axis_outer or collapse or tile):
             axis_outer = True
+        elif part == "collapse" and head == "parallel" and not (collapse or tile):
+            collapse = True
         elif part.startswith("tile=") and not tile and part[5:] in {str(t) for t in ATTENTION_TILES}:
             tile = int(part[5:])
         else:
             raise ValueError(f"unknown schedule {s!r}")
-    return KernelSchedule(head == "parallel", axis_outer, tile)
+    return KernelSchedule(head == "parallel", axis_outer, collapse, tile)
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,8 @@ def validate(g: Graph) -> None:
             raise ValueError(f"node %{i} {n.op.value} is no kernel root and cannot carry a schedule")
         if sched is not None and sched.axis_outer and (n.op not in GroupOp.Reduce or n.kernel):
             raise ValueError(f"node %{i}: only a plain reduction's loops can be reordered")
+        if sched is not None and sched.collapse and n.kernel not in ("", "row"):
+            raise ValueError(f"node %{i}: only a reduction's or row kernel's loops collapse")
         if sched is not None and sched.tile and n.kernel != "attention":
             raise ValueError(f"node %{i}: only an attention kernel has a tile of query rows")
     for o in g.outputs:

@@ -24,6 +24,7 @@ class Kernel:
     scores: int = -1          # attention kernels: the first GEMM (Q·Kᵀ); `output` is the second (P·V)
     order: str = ""           # reduce kernels: "axis-outer" loops the reduced axis outside the axes after it
     tile: int = 0             # attention kernels: query rows per tile (0: codegen's default)
+    collapse: bool = False    # parallel reduce and row kernels: one pool loop over all their outer loops
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,7 @@ def kernel_graph_to_pb(kg: KernelGraph, source_graph=None):
     for k in kg.kernels:
         p.kernels.add(name=k.name, kind=k.kind, nodes=list(k.nodes), output=k.output, reads=list(k.reads),
                       parallel=k.parallel, axis=k.axis, scores=max(k.scores, 0), order=k.order,
-                      tile=k.tile)
+                      tile=k.tile, collapse=k.collapse)
     if source_graph is not None:
         p.source_graph.CopyFrom(source_graph.to_pb())
     if kg.prepare is not None:
@@ -236,8 +237,10 @@ def kernel_graph_from_pb(p) -> KernelGraph:
             raise ValueError(f"kernel {k.name!r} has an unknown loop order {k.order!r} for a {k.kind} kernel")
         if k.tile and (k.kind != "attention" or k.tile not in ATTENTION_TILES):
             raise ValueError(f"kernel {k.name!r}: a tile of {k.tile} rows for a {k.kind} kernel")
+        if k.collapse and (k.kind not in ("reduce", "row") or not k.parallel):
+            raise ValueError(f"kernel {k.name!r}: only a parallel reduce or row kernel collapses its loops")
         kernels.append(Kernel(k.name, k.kind, tuple(k.nodes), k.output, tuple(k.reads), k.parallel, k.axis,
-                              k.scores if k.kind == "attention" else -1, k.order, k.tile))
+                              k.scores if k.kind == "attention" else -1, k.order, k.tile, k.collapse))
     prepare = graph_from_pb(p.prepare) if p.HasField("prepare") else None
     check_prepare(g, prepare)
     return KernelGraph(g, tuple(kernels), prepare)

@@ -6,7 +6,9 @@ RMS norm or layer norm row kernel, a reduction) gets `Term.scheduled(x, "serial"
 blocks of rows) split across the target's pool. A plain reduction also gets each with
 "/axis-outer", its loop order: the reduced axis looped outside the axes after it, reading the
 input in memory order into a row of accumulators, where the default order reads it with the
-stride of those axes. Fused attention's schedules carry its tile size ("/tile=N", N query rows
+stride of those axes. The parallel schedules of reductions and row kernels may "/collapse" their
+outer loops into one loop the pool shares (parallel axes: all of them, not only the first of
+more than one iteration, which may be shorter than the pool). Fused attention's schedules carry its tile size ("/tile=N", N query rows
 at a time): small tiles give the pool more tasks, large ones fewer BLAS calls, until a tile's
 scores and probabilities no longer stay in cache. The rules fire only when the search knows
 the target's pool (`pool_threads`, entered from its TargetProfile).
@@ -39,9 +41,9 @@ _k, _t = var("k", i64), var("t", i64)
 _s = var("s", String)
 _n, _eps = var("n", f64), var("eps", f64)
 
-KERNELS = (Term.gemm(_x, _y, _k), Term.softmax(_x, _k), Term.rms_norm(_x, _k, _n, _eps),
-           Term.layer_norm(_x, _k, _n, _eps), Term.sum_reduce(_x, _k), Term.max_reduce(_x, _k))
+ROWS = (Term.softmax(_x, _k), Term.rms_norm(_x, _k, _n, _eps), Term.layer_norm(_x, _k, _n, _eps))
 REDUCTIONS = (Term.sum_reduce(_x, _k), Term.max_reduce(_x, _k))
+KERNELS = (Term.gemm(_x, _y, _k),) + ROWS + REDUCTIONS
 
 
 def _offer(*names):
@@ -53,7 +55,10 @@ schedules.register(
       for kernel in KERNELS),
     # loop order: a plain reduction may loop its axis outside the axes after it
     *(rule(eq(_e).to(kernel), eq(_t).to(pool_threads()), _t > i64(1)).then(
-        *_offer("serial/axis-outer", "parallel/axis-outer")) for kernel in REDUCTIONS),
+        *_offer("serial/axis-outer", "parallel/axis-outer", "parallel/axis-outer/collapse")) for kernel in REDUCTIONS),
+    # parallel axes: the pool shares the first outer loop, or all outer loops collapsed into one
+    *(rule(eq(_e).to(kernel), eq(_t).to(pool_threads()), _t > i64(1)).then(*_offer("parallel/collapse"))
+      for kernel in ROWS + REDUCTIONS),
     # tile size: the query rows fused attention works at a time
     rule(eq(_e).to(Term.attention(_x, _s, _y, _k)), eq(_t).to(pool_threads()), _t > i64(1)).then(
         *_offer(*(f"{p}/tile={t}" for p in ("serial", "parallel") for t in ATTENTION_TILES))))
