@@ -1,7 +1,9 @@
 """Optimize-stage time for tiny Llama at 2 and 8 layers (structural dedup keeps it flat), with
 the default search budget, each on a fresh store (no action-cache hits), median of repeats.
+As a compile does, the search knows this machine's calibrated TargetProfile (measured once
+here, before the timings), so schedules are searched too; --no-profile leaves them out.
 
-    .venv/bin/python benchmarks/optimize_time.py [--repeats 3] [--layers 2 8]
+    .venv/bin/python benchmarks/optimize_time.py [--repeats 3] [--layers 2 8] [--no-profile]
 """
 
 from __future__ import annotations
@@ -32,10 +34,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 8])
+    ap.add_argument("--no-profile", action="store_true", help="search without the target's profile (no schedules)")
     args = ap.parse_args()
+    from executor_svc.calibrate import measure
     from kiln.ir.serialize import graph_to_pb
     from kiln.store import FileStore
     from optimizer_svc.optimizer import OptimizeOptions, optimize
+
+    profile = None if args.no_profile else measure("cpu")
 
     print(f"{'tiny Llama':<12} {'nodes':>6} {'kernels':>8} {'regions':>8} {'distinct':>9} {'optimize s':>11} {'stop':<12}")
     base = None
@@ -45,8 +51,9 @@ def main() -> None:
         for _ in range(args.repeats):
             store = FileStore(tempfile.mkdtemp(prefix="kiln-bench-opt-"))
             d = store.put_message(graph_to_pb(g))
+            options = OptimizeOptions(target_profile=store.put_message(profile) if profile is not None else None)
             t0 = time.perf_counter()
-            _, report = optimize(store, d, OptimizeOptions())
+            _, report = optimize(store, d, options)
             times.append(time.perf_counter() - t0)
         t = statistics.median(times)
         base = base or t

@@ -649,9 +649,7 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
             orders[f"/tile={t}"] = (work + 2 * tasks * pool.serial_overhead + cold, tasks, None)
     elif name in ("sum_reduce", "max_reduce"):
         axis = _literal(nodes[n["children"][1]])
-        inner = 1
-        for d in out[axis + 1:]:
-            inner *= d
+        inner = product(out[axis + 1:])
         orders = {"": (work, first_loop(out), product(out))}
         if inner > 1:  # the axes after the reduced one: the default order's stride
             orders = {"": (work * (1 + (STRIDED_READ if inner >= LINE_ELEMENTS else 0.0)), first_loop(out),
