@@ -110,17 +110,33 @@ def test_parallel_gemm_splits_rows_and_matches(local_pipeline):
         assert torch.allclose(compiled(x), fn(x), rtol=1e-4, atol=1e-4), name
 
 
+def _compile_for(pipeline, fn, args, threads: int):
+    """Compile fn for a target whose profile says `threads` threads (a fixed profile, so the
+    search's schedule choices do not depend on this machine), one candidate; the compiled
+    module and its kernel graph."""
+    from kiln.ir.kernel import kernel_graph_from_pb
+    from kiln.v1 import services_pb2
+
+    profile = services_pb2.TargetProfile(target="cpu", threads=threads, elementwise_gelems=threads * 1.4,
+                                         bandwidth_gbs=30.0, kernel_overhead_us=2.0, serial_overhead_us=0.25)
+    profile.gemm.add(shape_class="square", m=512, n=512, k=512, gflops=150.0)
+    ep = torch.export.export(Fn(fn), args)
+    result = pipeline.compile_program(pipeline.upload_program(ep), target_profile=pipeline.store.put_message(profile),
+                                      candidates=1)
+    session = pipeline.load(result.bundle, result.manifest)
+    kg = kernel_graph_from_pb(pipeline.store.get_message(result.kernel_graph, ir_pb2.KernelGraph))
+    return kiln.pipeline.CompiledModule(pipeline, result, session, ep.call_spec.in_spec), kg
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_reduction_in_axis_outer_order_matches(local_pipeline, dtype):
-    """With the target's profile known, the search gives reductions over a middle axis (48 floats
-    after it) the axis-outer loop order: the kernel keeps a row of accumulators (f32 for f16
-    data) and reads the input in memory order. Sums and maxima (a NaN stays sticky) match torch."""
-    local_pipeline.calibrate()
+    """The search gives reductions over a middle axis (48 floats after it) the axis-outer loop
+    order: the kernel keeps a row of accumulators (f32 for f16 data) and reads the input in
+    memory order. Sums and maxima (a NaN stays sticky) match torch."""
     x = torch.randn(64, 96, 48).to(dtype)
     x[3, 7, 5] = float("nan")
     fn = lambda x: (x.sum(1), torch.amax(x * 2, 1))  # noqa: E731
-    compiled = kiln.compile(Fn(fn), (x,), pipeline=local_pipeline, candidates=1)
-    kg = _kernel_graph(local_pipeline, compiled)
+    compiled, kg = _compile_for(local_pipeline, fn, (x,), threads=2)
     reduces = [k for k in kg.kernels if k.kind == "reduce"]
     assert len(reduces) == 2 and all(k.order == "axis-outer" for k in reduces), reduces
     bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
@@ -135,25 +151,14 @@ def test_reduction_in_axis_outer_order_matches(local_pipeline, dtype):
 def test_collapsed_parallel_loops_match(local_pipeline):
     """Under an 8-thread target profile the search collapses the outer loops of a softmax and of
     a reduction whose first loop is short (2) into one pool loop; the kernels unravel it and
-    match torch (the pool here has 2 threads: a schedule never changes what is computed)."""
-    from kiln.ir.kernel import kernel_graph_from_pb
-    from kiln.v1 import services_pb2
-
-    profile = services_pb2.TargetProfile(target="cpu", threads=8, elementwise_gelems=8.0, bandwidth_gbs=30.0,
-                                         kernel_overhead_us=2.0, serial_overhead_us=0.3)
-    profile.gemm.add(shape_class="square", m=512, n=512, k=512, gflops=100.0)
-    d = local_pipeline.store.put_message(profile)
+    match torch (the pool here may be smaller: a schedule never changes what is computed)."""
     x = torch.randn(2, 48, 256)
     fn = lambda x: (torch.softmax(x, -1), x.sum(-1))  # noqa: E731
-    ep = torch.export.export(Fn(fn), (x,))
-    result = local_pipeline.compile_program(local_pipeline.upload_program(ep), target_profile=d, candidates=1)
-    kg = kernel_graph_from_pb(local_pipeline.store.get_message(result.kernel_graph, ir_pb2.KernelGraph))
+    compiled, kg = _compile_for(local_pipeline, fn, (x,), threads=8)
     collapsed = [k.kind for k in kg.kernels if k.collapse]
     assert sorted(collapsed) == ["reduce", "row"], [(k.kind, k.parallel, k.collapse) for k in kg.kernels]
-    bundle = local_pipeline.store.get_message(result.bundle, ir_pb2.Bundle)
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
     assert all("for fi in prange(96)" in k.source for k in bundle.kernels if k.kind in ("row", "reduce"))
-    session = local_pipeline.load(result.bundle, result.manifest)
-    compiled = kiln.pipeline.CompiledModule(local_pipeline, result, session, ep.call_spec.in_spec)
     for got, want in zip(compiled(x), fn(x)):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
