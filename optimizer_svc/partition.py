@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph, parse_schedule
 from kiln.ir.kernel import (Kernel, KernelGraph, broadcasts, compose_chain, flat_reads, gemm_axes, gemm_dims,
                              gemm_writes_rows, kernel_gemm, view_root)
@@ -153,8 +154,9 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
                     or work(gemm_axes(g, k.output).a_root) >= schedule.parallel_min_elements)
         return False
 
-    def order(k: Kernel) -> str:
-        return "axis-outer" if k.kind == "reduce" and chosen(k) is not None and chosen(k).axis_outer else ""
+    def order(k: Kernel) -> str:  # a bool reduction keeps the default order (a scalar accumulator)
+        return ("axis-outer" if k.kind == "reduce" and chosen(k) is not None and chosen(k).axis_outer
+                and g.nodes[k.output].dtype is not DType.BOOL else "")
 
     def tile(k: Kernel) -> int:
         return chosen(k).tile if k.kind == "attention" and chosen(k) is not None else 0

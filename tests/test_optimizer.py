@@ -570,6 +570,11 @@ def test_reduction_loop_order_is_a_schedule(op):
     orders = {opt.nodes[k.output].axis: k.order for k in kg.kernels if k.kind == "reduce"}
     assert orders == {0: "axis-outer", 1: ""}
     assert all(k.order == "" for k in partition(opt, schedule=Schedule(searched=False)).kernels)
+    if op is Op.MAX_REDUCE:  # a bool reduction keeps the default order
+        b = GraphBuilder()
+        x = b.input("x", (4096, 256), DType.BOOL)
+        opt, _ = saturate(b.build([b.reduce(op, x, 0)]), SearchLimits(pool=POOL))
+        assert [k.order for k in partition(opt).kernels if k.kind == "reduce"] == [""]
 
 
 @pytest.mark.parametrize("keys,tile", [(64, 128), (256, 64)])
