@@ -227,8 +227,14 @@ class Pipeline:
         key = cache.action_key("choose", CHOOSE_VERSION, {f"candidate{i}": d for i, d in enumerate(bundles)},
                                {"target": target, "fingerprint": fingerprint})
         hit = cache.lookup(self.store, key)
-        if hit is not None:
-            return hit["kernel_graph"], self.store.get_message(hit["report"], services_pb2.OptimizeReport)
+        if hit is not None:  # the timings are the bundles'; the rest of the report is this optimize's
+            timed = self.store.get_message(hit["report"], services_pb2.OptimizeReport)
+            out = services_pb2.OptimizeReport()
+            out.CopyFrom(report)
+            for c, t in zip(out.candidates, timed.candidates):
+                c.measured_s, c.chosen = t.measured_s, t.chosen
+            out.kernels = timed.kernels
+            return hit["kernel_graph"], out
         with span("kiln.choose", **{"kiln.candidates": len(kgs)}) as s:
             timings = self.profile(bundles, manifest, repeats=CHOOSE_REPEATS)
             best = min(range(len(kgs)), key=lambda i: timings[i][1])
