@@ -91,3 +91,36 @@ def test_profile_rejects_bad_requests(remote_pipeline):
         remote_pipeline.profile([], r.manifest)
     with pytest.raises(NotFound):
         remote_pipeline.profile([Digest("0" * 64, 10)], r.manifest)
+
+
+def test_prediction_prices_a_reductions_loop_order():
+    """The roofline prices a reduce kernel's loop order as extraction does: over an axis with 256
+    floats after it, the default order reads with a stride (STRIDED_READ) and the axis-outer order
+    updates accumulators (ACCUMULATE), so axis-outer is predicted cheaper; along the innermost
+    axis there is nothing to reorder and the prediction is the plain one."""
+    import dataclasses
+
+    from kiln.ir.builder import GraphBuilder
+    from kiln.ir.dtypes import DType
+    from kiln.ir.kernel import KernelGraph
+    from kiln.ir.ops import Op
+    from optimizer_svc.cost import predict
+    from optimizer_svc.partition import partition
+    from optimizer_svc.search import ACCUMULATE, STRIDED_READ
+
+    profile = services_pb2.TargetProfile(target="cpu", threads=2, elementwise_gelems=2.0, bandwidth_gbs=1000.0,
+                                         kernel_overhead_us=2.0, serial_overhead_us=0.25)
+    profile.gemm.add(shape_class="square", m=512, n=512, k=512, gflops=100.0)
+
+    def seconds(axis: int, order: str) -> float:
+        b = GraphBuilder()
+        x = b.input("x", (4096, 256), DType.F32)
+        kg = partition(b.build([b.reduce(Op.SUM_REDUCE, x, axis)]))
+        kg = KernelGraph(kg.graph, tuple(dataclasses.replace(k, order=order, parallel=False) if k.kind == "reduce"
+                                         else k for k in kg.kernels))
+        return sum(c.seconds for c in predict(kg, profile) if c.kind == "reduce")
+
+    plain = seconds(1, "")
+    assert seconds(0, "") > seconds(0, "axis-outer")
+    assert seconds(0, "") == pytest.approx((plain - 0.25e-6) * (1 + STRIDED_READ) + 0.25e-6)
+    assert seconds(0, "axis-outer") == pytest.approx((plain - 0.25e-6) * (1 + ACCUMULATE) + 0.25e-6)
