@@ -41,9 +41,8 @@ KERNEL_CHOICES = {"gemm": (Op.SUM_REDUCE,), "attention": (Op.SUM_REDUCE,), "row"
 # reductions) puts the reduction's loop outside the loops over the axes after it, so the input
 # is read in its memory order, "/collapse" (parallel reductions and row kernels) shares all
 # their outer loops' iterations across the pool as one loop rather than only the first loop's,
-# and "/tile=N" (attention) works N query rows at a time. Only
-# reductions (GEMMs, attention) and row kernels' roots carry one: they are kernel roots
-# whatever else the partition decides.
+# and "/tile=N" (attention) works N query rows at a time. Only reductions (GEMMs, attention) and
+# row kernels' roots carry one: they are kernel roots whatever else the partition decides.
 ATTENTION_TILES = (16, 32, 64, 128)
 
 
@@ -53,10 +52,6 @@ class KernelSchedule:
     axis_outer: bool = False
     collapse: bool = False
     tile: int = 0  # 0: the codegen's default tile
-
-    def __str__(self) -> str:
-        return (("parallel" if self.parallel else "serial") + ("/axis-outer" if self.axis_outer else "")
-                + ("/collapse" if self.collapse else "") + (f"/tile={self.tile}" if self.tile else ""))
 
 
 def parse_schedule(s: str) -> Optional[KernelSchedule]:
