@@ -11,8 +11,7 @@ measured with the whole pool: a serial kernel gets one thread's share), one unit
 for each elementwise or reduction op (views and constants are free; a GEMM's epilogue counts,
 its Mul and SumReduce are its GEMM time). A reduction over an axis with a cache line or more of
 elements after it pays the search's strided-read factor in its default loop order, its
-accumulator factor in the axis-outer order (search.STRIDED_READ, ACCUMULATE), as extraction
-prices them. Symbolic dims take their largest binding.
+accumulator factor in the axis-outer order (search.order_factor), as extraction prices them. Symbolic dims take their largest binding.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from kiln.ir.kernel import KernelGraph, gemm_axes, gemm_dims, kernel_gemm
 from kiln.ir.ops import Op
 from kiln.ir.shape import evaluate_dim, numel
 from kiln.v1 import services_pb2
-from optimizer_svc.search import ACCUMULATE, LINE_ELEMENTS, STRIDED_READ
+from optimizer_svc.search import order_factor
 
 
 FREE = (Op.VIEW, Op.CONSTANT, Op.INPUT, Op.WEIGHT)
@@ -63,19 +62,6 @@ def _ops(g, k) -> int:
     return sum(1 for j in k.nodes if j not in inside_gemm and g.nodes[j].op not in FREE)
 
 
-def _order_factor(g, k, env) -> float:
-    """A reduce kernel's compute factor for its loop order (the search's, search._schedule_costs)."""
-    n = g.nodes[k.output]
-    inner = 1
-    for d in n.shape[n.axis + 1:]:
-        inner *= evaluate_dim(d, env)
-    if inner <= 1:
-        return 1.0
-    if k.order == "axis-outer":
-        return 1.0 + ACCUMULATE
-    return 1.0 + STRIDED_READ if inner >= LINE_ELEMENTS else 1.0
-
-
 def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[KernelCost]:
     g = kg.graph
     env = {name: hi for name, _, hi in g.symbols}
@@ -102,8 +88,9 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
         else:
             work = elems(g.nodes[k.output].inputs[0]) if k.kind == "reduce" else elems(k.output)
             compute = work * max(1, ops) / (rate * share)
-            if k.kind == "reduce":
-                compute *= _order_factor(g, k, env)
+            if k.kind == "reduce":  # its loop order, priced as extraction prices it
+                n = g.nodes[k.output]
+                compute *= order_factor(evaluate_dim(numel(n.shape[n.axis + 1:]), env), k.order == "axis-outer")
         memory = moved / (bw * share)
         body = max(compute, memory)
         bound = "overhead" if overhead > body else ("compute" if compute >= memory else "memory")

@@ -142,9 +142,7 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
             return None
         return parse_schedule(g.nodes[kernel_gemm(g, k) if k.kind == "gemm" else k.output].schedule)
 
-    def parallel(k: Kernel) -> bool:
-        if chosen(k) is not None:
-            return chosen(k).parallel
+    def parallel(k: Kernel) -> bool:  # by the size thresholds
         if k.kind in ("elementwise", "reduce", "row"):
             return work(k.output) >= schedule.parallel_min_elements
         if k.kind == "gemm":
@@ -154,18 +152,17 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
                     or work(gemm_axes(g, k.output).a_root) >= schedule.parallel_min_elements)
         return False
 
-    def order(k: Kernel) -> str:  # a bool reduction keeps the default order (a scalar accumulator)
-        return ("axis-outer" if k.kind == "reduce" and chosen(k) is not None and chosen(k).axis_outer
-                and g.nodes[k.output].dtype is not DType.BOOL else "")
+    def scheduled(k: Kernel) -> Kernel:
+        s = chosen(k)
+        if s is None:
+            return dataclasses.replace(k, parallel=parallel(k), order="", tile=0, collapse=False)
+        # a bool reduction keeps the default order (a scalar accumulator)
+        axis_outer = k.kind == "reduce" and s.axis_outer and g.nodes[k.output].dtype is not DType.BOOL
+        return dataclasses.replace(k, parallel=s.parallel, order="axis-outer" if axis_outer else "",
+                                   tile=s.tile if k.kind == "attention" else 0,
+                                   collapse=s.collapse and k.kind in ("reduce", "row"))
 
-    def tile(k: Kernel) -> int:
-        return chosen(k).tile if k.kind == "attention" and chosen(k) is not None else 0
-
-    def collapse(k: Kernel) -> bool:
-        return k.kind in ("reduce", "row") and chosen(k) is not None and chosen(k).collapse
-
-    return KernelGraph(g, tuple(dataclasses.replace(k, parallel=parallel(k), order=order(k), tile=tile(k),
-                                                    collapse=collapse(k)) for k in kg.kernels))
+    return KernelGraph(g, tuple(scheduled(k) for k in kg.kernels))
 
 
 def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Kernel]:

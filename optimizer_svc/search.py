@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -603,6 +604,18 @@ GEMM_BLOCK_ROWS = 64  # codegen's fewest rows per block of a GEMM split across t
 STRIDED_READ = 3.0
 ACCUMULATE = 0.5
 LINE_ELEMENTS = 16
+
+
+def order_factor(inner: int, axis_outer: bool) -> float:
+    """A reduction's work factor for its loop order, `inner` the elements after its axis (also
+    the roofline's, cost.predict)."""
+    if inner <= 1:
+        return 1.0
+    if axis_outer:
+        return 1.0 + ACCUMULATE
+    return 1.0 + STRIDED_READ if inner >= LINE_ELEMENTS else 1.0
+
+
 TILE_CACHE_BYTES = 1 << 18  # an attention tile's scores, probabilities and output rows stay in cache up to this
 
 
@@ -620,12 +633,7 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
     def first_loop(dims) -> int:
         return next((d for d in dims if d > 1), 1)
 
-    def product(dims) -> int:
-        total = 1
-        for d in dims:
-            total *= d
-        return total
-
+    product = math.prod
     if name == "gemm":
         work *= pool.gemm_mac / GEMM_WEIGHT  # the target's BLAS rate, not extraction's flat weight
         axis = _literal(nodes[n["children"][2]])
@@ -650,11 +658,9 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
     elif name in ("sum_reduce", "max_reduce"):
         axis = _literal(nodes[n["children"][1]])
         inner = product(out[axis + 1:])
-        orders = {"": (work, first_loop(out), product(out))}
+        orders = {"": (work * order_factor(inner, False), first_loop(out), product(out))}
         if inner > 1:  # the axes after the reduced one: the default order's stride
-            orders = {"": (work * (1 + (STRIDED_READ if inner >= LINE_ELEMENTS else 0.0)), first_loop(out),
-                           product(out)),
-                      "/axis-outer": (work * (1 + ACCUMULATE), first_loop(out[:axis]), product(out[:axis]))}
+            orders["/axis-outer"] = (work * order_factor(inner, True), first_loop(out[:axis]), product(out[:axis]))
     else:  # row kernels: the row axis is not looped over outside
         axis = _literal(nodes[n["children"][1]])
         rows = [d for j, d in enumerate(out) if j != axis]

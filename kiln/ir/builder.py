@@ -33,9 +33,13 @@ class GraphBuilder:
     def dtype(self, i: int) -> DType:
         return self.nodes[i].dtype
 
+    @staticmethod
+    def _key(node: Node) -> tuple:  # what makes two nodes the same node (not their source)
+        return (node.op, node.inputs, node.shape, node.dtype, node.name, node.value, node.view, node.axis,
+                node.kernel, node.schedule)
+
     def _add(self, node: Node) -> int:
-        key = (node.op, node.inputs, node.shape, node.dtype, node.name, node.value, node.view, node.axis,
-               node.kernel, node.schedule)
+        key = self._key(node)
         if key in self._index:
             return NodeId(self._index[key])
         node = Node(node.op, node.inputs, node.shape, node.dtype, node.name, node.value, node.view,
@@ -60,11 +64,9 @@ class GraphBuilder:
         in place: a schedule says how to compute the node, never what it computes."""
         old = self.nodes[i]
         new = dataclasses.replace(old, schedule=schedule)
-        self._index.pop((old.op, old.inputs, old.shape, old.dtype, old.name, old.value, old.view, old.axis,
-                         old.kernel, old.schedule), None)
+        self._index.pop(self._key(old), None)
         self.nodes[i] = new
-        self._index[(new.op, new.inputs, new.shape, new.dtype, new.name, new.value, new.view, new.axis,
-                     new.kernel, new.schedule)] = i
+        self._index[self._key(new)] = i
 
     # ---- leaves ----
     def input(self, name: str, shape: Shape, dtype: DType) -> int:
