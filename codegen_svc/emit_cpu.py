@@ -22,7 +22,7 @@ import numpy as np
 
 from kiln.errors import FailedPrecondition
 from kiln.ir.dtypes import DType
-from kiln.ir.graph import Graph, TensorSpec
+from kiln.ir.graph import DEFAULT_ATTENTION_TILE, DEFAULT_GEMM_TILE, Graph, TensorSpec
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import SYMBOL_PREFIX, Dim, contiguous_strides, numel, render_dim
 from kiln.ir.view import ViewSpec
@@ -31,7 +31,7 @@ from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, compose_cha
                              gemm_dims, gemm_writes_rows, kernel_gemm, name_kernel, view_root)
 from codegen_svc.memory import MemoryPlan, plan_memory
 
-EPILOGUE_ROWS = 256  # rows of C a GEMM's epilogue works on at a time, right after BLAS wrote them
+EPILOGUE_ROWS = DEFAULT_GEMM_TILE  # rows of C a GEMM's epilogue works on at a time, where the search chose no tile
 # a GEMM whose B is this small (elements) is cheap to stream again per BLAS call: its blocks of
 # packed A and of C stay within SMALL_BLOCK_BYTES where GEMM_MIN_ROWS rows allow (a CNN's
 # im2col rows are long, its B small)
@@ -41,7 +41,6 @@ GEMM_MIN_ROWS = 64  # the fewest rows per block of a GEMM split across the pool
 THREADS_ARG = "nthreads"  # the pool's size: every kernel's and the entry's last argument
 ONLINE_SOFTMAX_MIN_ROW = 4096  # f32 rows up to this long (16 KB) take a softmax in two loops
 FASTMATH = "{'reassoc', 'contract'}"  # numba's LLVM flags for every kernel, see _KernelWriter.emit
-ATTENTION_TILE = 64  # query rows an attention kernel works at a time (scores and probabilities stay in cache)
 
 # buffer element types; f16 and bf16 are stored as their 16-bit words (numba has no
 # half-precision arithmetic on CPU) and computed in f32 inside a kernel
@@ -482,7 +481,7 @@ class _KernelWriter:
         p = pa.a_root
         S = g.nodes[p].shape
         a = k.axis
-        T = k.tile or ATTENTION_TILE  # the search's tile (Kernel.tile), else the default
+        T = k.tile or DEFAULT_ATTENTION_TILE  # the search's tile (Kernel.tile), else the default
         ks, kp = g.nodes[gs].axis, g.nodes[gp].axis
         q_args = (sa.a_node, sa.a_root, sa.a_spec, list(sa.batch_axes), list(sa.m_axes), ks, Fs, Bt, Mt, Ks,
                   g.nodes[gs].dtype)
@@ -708,8 +707,10 @@ class _KernelWriter:
         lines = []
         a_args = (gm.a_node, gm.a_root, gm.a_spec, b_axes, m_axes, k, F, Bt, Mt, K, r.dtype)
         a_view = self._operand_view("A", "A", *a_args[1:])
-        # a single matrix whose A needs a copy packs it a block of rows at a time, in the block loop
-        pack_rows = a_view is None and Bt == 1
+        # a single matrix whose A needs a copy packs it a block of rows at a time, in the block loop;
+        # so does a transposed A under a searched tile (a block of its rows is no matrix BLAS takes)
+        tile = self.k.tile if Bt == 1 else 0
+        pack_rows = Bt == 1 and (a_view is None or (tile and not a_view[2]))
         la, a_at, a_rows = (([], "at", True) if pack_rows else a_view if a_view is not None
                             else self._operand("A", "A", *a_args))
         lb, b_at, _ = self._operand("B", "B", gm.b_node, gm.b_root, gm.b_spec, b_axes, n_axes, k, F, Bt, Nt, K,
@@ -717,7 +718,7 @@ class _KernelWriter:
         lines += la + lb
         direct = gemm_writes_rows(self.g, gi) and not r.dtype.is_half and gi == self.k.output
         out = self.g.nodes[self.k.output]
-        blocked = Bt == 1 and a_rows and (self.k.parallel or pack_rows)
+        blocked = Bt == 1 and a_rows and (self.k.parallel or pack_rows or tile)
         rows = self._epilogue_rows(gi, Nt) if blocked and not direct else None
         if direct:
             lines.append(f"    C = out[0:{_d(numel(r.shape))}].reshape(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}))")
@@ -734,12 +735,13 @@ class _KernelWriter:
                       f"    for c in {'prange' if self.k.parallel else 'range'}(nc):",
                       f"        lo = c * {_d(Mt)} // nc",
                       f"        hi = (c + 1) * {_d(Mt)} // nc"]
-            if rows is None and not pack_rows:
+            if rows is None and not pack_rows and not tile:
                 lines.append(f"        np.dot({a_at.format(bi='0')}[lo:hi], {b_at.format(bi='0')}, C[0][lo:hi])")
             else:
-                # sub-blocks of EPILOGUE_ROWS rows: A's rows packed just before BLAS reads them,
-                # the epilogue run on C's rows right after BLAS wrote them, both while in cache
-                sb = _sub_block_rows(K if pack_rows else 0, Nt if rows is not None else 0, K * Nt)
+                # sub-blocks of the searched tile's rows (Kernel.tile), else EPILOGUE_ROWS or fewer: A's
+                # rows packed just before BLAS reads them, the epilogue run on C's rows right after
+                # BLAS wrote them, both while in cache
+                sb = tile or _sub_block_rows(K if pack_rows else 0, Nt if rows is not None else 0, K * Nt)
                 if pack_rows:
                     lines.append(f"        at = np.empty(({sb}, {_d(K)}), dtype={_COMPUTE[r.dtype]})")
                 if rows is not None:

@@ -11,7 +11,11 @@ measured with the whole pool: a serial kernel gets one thread's share), one unit
 for each elementwise or reduction op (views and constants are free; a GEMM's epilogue counts,
 its Mul and SumReduce are its GEMM time). A reduction over an axis with a cache line or more of
 elements after it pays the search's strided-read factor in its default loop order, its
-accumulator factor in the axis-outer order (search.order_factor), as extraction prices them. Symbolic dims take their largest binding.
+accumulator factor in the axis-outer order (search.order_factor), as extraction prices them; a
+GEMM's tile of rows (B packed per BLAS call, a block of C read back from memory) and attention's
+tile of query rows (two BLAS calls per tile, scores out of cache) likewise
+(search.gemm_tile_extra, attention_tile_extra; a BLAS call costs a serial kernel's fixed cost).
+Symbolic dims take their largest binding.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kiln.ir.graph import DEFAULT_ATTENTION_TILE, DEFAULT_GEMM_TILE
 from kiln.ir.kernel import KernelGraph, gemm_axes, gemm_dims, kernel_gemm
 from kiln.ir.ops import Op
 from kiln.ir.shape import evaluate_dim, numel
 from kiln.v1 import services_pb2
-from optimizer_svc.search import order_factor
+from optimizer_svc.search import GEMM_BLOCK_ROWS, attention_tile_extra, gemm_tile_extra, order_factor
 
 
 FREE = (Op.VIEW, Op.CONSTANT, Op.INPUT, Op.WEIGHT)
@@ -69,6 +74,7 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
     threads = max(profile.threads, 1)
     bw = max(profile.bandwidth_gbs, 1e-3) * 1e9
     rate = max(profile.elementwise_gelems, 1e-3) * 1e9
+    serial_overhead = (profile.serial_overhead_us or profile.kernel_overhead_us) * 1e-6  # also one BLAS call's
     out = []
     for k in kg.kernels:
         share = 1.0 if k.parallel else 1.0 / threads
@@ -81,10 +87,21 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
         if k.kind == "gemm":
             gi = kernel_gemm(g, k)
             compute = _gemm_seconds(g, gi, env, profile, pool) + elems(k.output) * ops / (rate * share)
+            batch, m, n, depth = (evaluate_dim(d, env) for d in gemm_dims(g, gi)[1:])
+            if batch == 1:  # one thread's rows of C in tiles: B packed per BLAS call, C out of cache
+                used = max(1, min(pool, m // GEMM_BLOCK_ROWS))
+                calls, units = gemm_tile_extra(-(-m // used), n, depth,
+                                               k.tile or (DEFAULT_GEMM_TILE if k.parallel else 0), ops > 0)
+                compute += calls * serial_overhead + units * threads / rate
         elif k.kind == "attention":  # two GEMMs and, per score, the softmax's elementwise work
             p = gemm_axes(g, k.output).a_root
             compute = (_gemm_seconds(g, k.scores, env, profile, pool) + _gemm_seconds(g, k.output, env, profile, pool)
                        + elems(p) * max(1, ops) / (rate * share))
+            batch, m, keys = (evaluate_dim(d, env) for d in gemm_dims(g, k.scores)[1:4])
+            # its tile's BLAS calls and cache misses, shared by the pool
+            calls, units = attention_tile_extra(batch, m, keys, evaluate_dim(gemm_dims(g, k.output)[3], env),
+                                                k.tile or DEFAULT_ATTENTION_TILE)
+            compute += calls * serial_overhead / pool + units / (rate * share)
         else:
             work = elems(g.nodes[k.output].inputs[0]) if k.kind == "reduce" else elems(k.output)
             compute = work * max(1, ops) / (rate * share)

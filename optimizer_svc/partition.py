@@ -152,6 +152,9 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
                     or work(gemm_axes(g, k.output).a_root) >= schedule.parallel_min_elements)
         return False
 
+    def single(k: Kernel) -> bool:  # one matrix, not a batch: its rows of C come in tiles
+        return gemm_dims(g, kernel_gemm(g, k))[1] == 1
+
     def scheduled(k: Kernel) -> Kernel:
         s = chosen(k)
         if s is None:
@@ -159,7 +162,7 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
         # a bool reduction keeps the default order (a scalar accumulator)
         axis_outer = k.kind == "reduce" and s.axis_outer and g.nodes[k.output].dtype is not DType.BOOL
         return dataclasses.replace(k, parallel=s.parallel, order="axis-outer" if axis_outer else "",
-                                   tile=s.tile if k.kind == "attention" else 0,
+                                   tile=s.tile if k.kind == "attention" or (k.kind == "gemm" and single(k)) else 0,
                                    collapse=s.collapse and k.kind in ("reduce", "row"))
 
     return KernelGraph(g, tuple(scheduled(k) for k in kg.kernels))

@@ -20,7 +20,7 @@ from egglog.pretty import pretty_decl
 
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
-from kiln.ir.graph import ATTENTION_TILES, Graph
+from kiln.ir.graph import ATTENTION_TILES, DEFAULT_GEMM_TILE, GEMM_TILES, Graph
 from kiln.ir.kernel import flat_preserving
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import evaluate_dim, numel
@@ -617,6 +617,31 @@ def order_factor(inner: int, axis_outer: bool) -> float:
 
 
 TILE_CACHE_BYTES = 1 << 18  # an attention tile's scores, probabilities and output rows stay in cache up to this
+C_CACHE_BYTES = 1 << 21  # a GEMM's block of C stays in cache from BLAS writing it to its epilogue reading it up to this
+GEMM_PACK = 1.0  # per element of B: BLAS packs B again for every call (a tile of rows) after the first
+
+
+def gemm_tile_extra(rows: int, n: int, k: int, tile: int, epilogue: bool = True) -> tuple[int, float]:
+    """What computing one thread's `rows` rows of a GEMM's C (N columns, K deep) `tile` rows per
+    BLAS call (0: all in one), each block's epilogue right after, costs beyond the GEMM itself:
+    (BLAS calls beyond the first, element units). Every call after the first packs B again; a
+    block of C larger than C_CACHE_BYTES has left the cache before its epilogue reads it back.
+    Extraction (_schedule_costs, which cannot know the fusion yet: it assumes an epilogue) and
+    the roofline (cost.predict) both price a tile by it."""
+    blocks = -(-rows // tile) if tile else 1
+    block = min(tile, rows) if tile else rows
+    cold = STRIDED_READ * rows * n if epilogue and block * n * 4 > C_CACHE_BYTES else 0.0
+    return blocks - 1, (blocks - 1) * k * n * GEMM_PACK + cold
+
+
+def attention_tile_extra(batch: int, m: int, keys: int, d: int, tile: int) -> tuple[int, float]:
+    """What fused attention over `batch` matrices of M query rows, `keys` keys and D output
+    columns, `tile` query rows at a time, costs beyond its two GEMMs: (BLAS calls, element
+    units). Two BLAS calls per tile; a tile whose scores, probabilities and output rows outgrow
+    TILE_CACHE_BYTES reads its scores and probabilities back from memory."""
+    tasks = batch * -(-m // tile)
+    cold = STRIDED_READ * 2 * batch * m * keys if (2 * keys + d) * tile * 4 > TILE_CACHE_BYTES else 0.0
+    return 2 * tasks, cold
 
 
 def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], largest: dict, work: float,
@@ -626,7 +651,8 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
     kernel's fixed cost. A GEMM (or attention) shares blocks of at least GEMM_BLOCK_ROWS rows of
     its result; a reduction or row kernel, its first loop of more than one iteration (in the
     axis-outer order, of the axes before the reduced one), or collapsed, all its outer loops'
-    iterations."""
+    iterations. A GEMM's tile of rows per BLAS call and attention's tile of query rows add what
+    gemm_tile_extra and attention_tile_extra say."""
     name = _BY_NAME[n["op"]]
     out = [evaluate_dim(d, largest) for d in shapes.get(cls, ())]
 
@@ -638,7 +664,20 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
         work *= pool.gemm_mac / GEMM_WEIGHT  # the target's BLAS rate, not extraction's flat weight
         axis = _literal(nodes[n["children"][2]])
         dims = [d for j, d in enumerate(out) if j != axis]  # batch.., M, N (N last)
-        orders = {"": (work, product(dims[:-1]) // GEMM_BLOCK_ROWS, None)}
+        m, cols = product(dims[:-1]), dims[-1] if dims else 1
+        depth = evaluate_dim(shapes.get(nodes[n["children"][0]]["eclass"], out)[axis], largest)
+        costs = {}
+        # the pool shares blocks of at least GEMM_BLOCK_ROWS rows; then each thread's rows go
+        # through BLAS a tile at a time (no tile: the codegen's, DEFAULT_GEMM_TILE rows on the pool)
+        for head, threads, fixed in (("serial", 1, pool.serial_overhead),
+                                     ("parallel", max(1, min(pool.threads, m // GEMM_BLOCK_ROWS)),
+                                      pool.parallel_overhead)):
+            for tile in (0,) + GEMM_TILES:
+                calls, units = gemm_tile_extra(-(-m // threads), cols, depth,
+                                               tile or (DEFAULT_GEMM_TILE if head == "parallel" else 0))
+                costs[head + (f"/tile={tile}" if tile else "")] = (work / threads + calls * pool.serial_overhead
+                                                                   + units + fixed)
+        return costs
     elif name == "attention":
         axis = _literal(nodes[n["children"][3]])
         dims = [d for j, d in enumerate(out) if j != axis]  # batch.., M, D
@@ -651,10 +690,9 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
         work = max(0.0, macs * pool.gemm_mac - ATTENTION_SAVING * p_elements)
         orders = {}
         for t in ATTENTION_TILES:
-            tasks = batch * -(-m // t)
-            cold = STRIDED_READ * 2 * batch * m * keys if (2 * keys + d) * t * 4 > TILE_CACHE_BYTES else 0.0
-            # per task two BLAS calls; the pool shares the tasks, their calls and cache misses
-            orders[f"/tile={t}"] = (work + 2 * tasks * pool.serial_overhead + cold, tasks, None)
+            calls, cold = attention_tile_extra(batch, m, keys, d, t)
+            # the pool shares the tiles, their BLAS calls and cache misses
+            orders[f"/tile={t}"] = (work + calls * pool.serial_overhead + cold, batch * -(-m // t), None)
     elif name in ("sum_reduce", "max_reduce"):
         axis = _literal(nodes[n["children"][1]])
         inner = product(out[axis + 1:])

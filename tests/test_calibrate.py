@@ -124,3 +124,45 @@ def test_prediction_prices_a_reductions_loop_order():
     assert seconds(0, "") > seconds(0, "axis-outer")
     assert seconds(0, "") == pytest.approx((plain - 0.25e-6) * (1 + STRIDED_READ) + 0.25e-6)
     assert seconds(0, "axis-outer") == pytest.approx((plain - 0.25e-6) * (1 + ACCUMULATE) + 0.25e-6)
+
+
+def test_prediction_prices_gemm_and_attention_tiles():
+    """The roofline prices tiles as extraction does (search.gemm_tile_extra,
+    attention_tile_extra): a GEMM of 2048 rows and 1024 columns with a ReLU after it, on one
+    thread: in 256-row tiles it pays four more BLAS calls and packs of B than in 512-row ones
+    (2 MiB of C, still in cache); in one 2048-row block none, but its 8 MiB of C is read back
+    from memory. Fused attention in 16-row tiles pays two BLAS calls per extra tile."""
+    import dataclasses
+
+    from importer_svc.importer import lower_program
+    from kiln.ir.kernel import KernelGraph
+    from optimizer_svc.cost import predict
+    from optimizer_svc.partition import partition
+    from optimizer_svc.search import GEMM_PACK, STRIDED_READ, SearchLimits, saturate
+    from modules import Fn
+
+    profile = services_pb2.TargetProfile(target="cpu", threads=2, elementwise_gelems=2.0, bandwidth_gbs=1000.0,
+                                         kernel_overhead_us=2.0, serial_overhead_us=0.25)
+    profile.gemm.add(shape_class="square", m=512, n=512, k=512, gflops=100.0)
+    one_thread_s = 2 / 2.0e9  # one element unit on one of the two threads
+
+    def seconds(fn, args, kind: str, tile: int) -> float:
+        g, _ = lower_program(torch.export.export(Fn(fn), args))
+        opt, _ = saturate(g, SearchLimits())
+        kg = partition(opt)
+        kg = KernelGraph(kg.graph, tuple(dataclasses.replace(k, tile=tile, parallel=False) if k.kind == kind
+                                         else k for k in kg.kernels))
+        return sum(c.seconds for c in predict(kg, profile) if c.kind == kind)
+
+    w = torch.randn(256, 1024)
+    gemm = lambda x: torch.relu(x @ w)  # noqa: E731
+    x = (torch.randn(2048, 256),)
+    t256, t512, t2048 = (seconds(gemm, x, "gemm", t) for t in (256, 512, 2048))
+    repack = 0.25e-6 + 256 * 1024 * GEMM_PACK * one_thread_s  # one more BLAS call, B packed again
+    assert t256 - t512 == pytest.approx(4 * repack)
+    assert t2048 - t512 == pytest.approx(STRIDED_READ * 2048 * 1024 * one_thread_s - 3 * repack)
+    assert t512 < min(t256, t2048)
+    attend = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    qkv = (torch.randn(1, 2, 256, 16),) * 3
+    t16, t64 = (seconds(attend, qkv, "attention", t) for t in (16, 64))
+    assert t16 - t64 == pytest.approx(2 * 2 * (16 - 4) * 0.25e-6)

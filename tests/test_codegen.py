@@ -128,6 +128,25 @@ def _compile_for(pipeline, fn, args, threads: int):
     return kiln.pipeline.CompiledModule(pipeline, result, session, ep.call_spec.in_spec), kg
 
 
+def test_searched_gemm_tile_blocks_match(local_pipeline):
+    """The search's tile of rows per BLAS call reaches the GEMM: 1500 rows on a 2-thread target
+    (750 per thread) and 1024 columns take 512-row tiles (a block of C stays in cache for the
+    bias and ReLU after it), so each thread computes a block of 512 rows and one of 238. With A
+    transposed (a block of its rows is no matrix BLAS takes) the tile's rows of A are packed
+    first. Both match torch."""
+    w, bias = torch.randn(64, 1024), torch.randn(1024)
+    for name, fn, x in (("rows", lambda x: torch.relu(x @ w + bias), torch.randn(1500, 64)),
+                        ("transposed", lambda x: torch.relu(x.t() @ w + bias), torch.randn(64, 1500))):
+        compiled, kg = _compile_for(local_pipeline, fn, (x,), threads=2)
+        (gemm,) = [k for k in kg.kernels if k.kind == "gemm"]
+        assert gemm.tile == 512 and gemm.parallel, (name, gemm)
+        bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+        (src,) = [k.source for k in bundle.kernels if k.kind == "gemm"]
+        assert "ct = np.empty((512, 1024)" in src and "for s0 in range(lo, hi, 512)" in src, src
+        assert ("at = np.empty((512, 64)" in src) == (name == "transposed"), src
+        assert torch.allclose(compiled(x), fn(x), rtol=1e-4, atol=1e-4), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_reduction_in_axis_outer_order_matches(local_pipeline, dtype):
     """The search gives reductions over a middle axis (48 floats after it) the axis-outer loop

@@ -130,13 +130,20 @@ def test_schedule_marks_roundtrip_and_are_checked():
     marked = Graph(tuple(nodes), g.inputs, g.weights, g.outputs, g.output_names)
     assert graph_from_pb(graph_to_pb(marked)).nodes[-1].schedule == "parallel"
     cases = ((len(nodes) - 2, "serial", "no kernel root"), (len(nodes) - 1, "vectorized", "unknown"),
-             (len(nodes) - 1, "parallel/tile=48", "unknown"), (len(nodes) - 1, "serial/tile=64", "only an attention"),
+             (len(nodes) - 1, "parallel/tile=48", "unknown"), (len(nodes) - 1, "serial/tile=64", "for a plain kernel"),
              (len(nodes) - 1, "serial/axis-outer/axis-outer", "unknown"))
     for i, mark, why in cases:
         bad = list(g.nodes)
         bad[i] = dataclasses.replace(bad[i], schedule=mark)
         with pytest.raises(ValueError, match=why):
             graph_from_pb(graph_to_pb(Graph(tuple(bad), g.inputs, g.weights, g.outputs)))
+    # a GEMM's tile is its rows of C per BLAS call, of the GEMM sizes only (16 is attention's)
+    nodes[-1] = dataclasses.replace(nodes[-1], kernel="gemm", schedule="parallel/tile=512")
+    gemm = Graph(tuple(nodes), g.inputs, g.weights, g.outputs, g.output_names)
+    assert graph_from_pb(graph_to_pb(gemm)).nodes[-1].schedule == "parallel/tile=512"
+    nodes[-1] = dataclasses.replace(nodes[-1], schedule="serial/tile=16")
+    with pytest.raises(ValueError, match="tile of 16 rows for a gemm kernel"):
+        graph_from_pb(graph_to_pb(Graph(tuple(nodes), g.inputs, g.weights, g.outputs)))
 
 
 def test_kernel_loop_order_and_tile_roundtrip_and_are_checked():

@@ -600,6 +600,39 @@ def test_attention_tile_is_a_schedule(keys, tile):
     np.testing.assert_allclose(got, module(q, kv, kv).numpy(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("n,tile", [(1024, 512), (64, 2048)])
+def test_gemm_tile_is_a_schedule(n, tile):
+    """A GEMM's rows of C per BLAS call are a schedule e-node: 4096 rows on the 2-thread pool
+    (2048 per thread), ReLU after. For 1024 columns the search takes the largest tile whose
+    block of C stays in cache for the epilogue (512 rows, 2 MiB; larger ones read C back from
+    memory, smaller ones pack B again per call); for 64 columns one block per thread (every
+    extra call would only pack B again). The partition gives the kernel that tile; a batched
+    GEMM (one BLAS call per matrix) keeps none. (A tile never changes what is computed: the
+    codegen tests run tiled GEMMs against torch.)"""
+    b = GraphBuilder()
+    x = b.input("x", (4096, 256), DType.F32)
+    w = b.weight("w", (n, 256), DType.F32)
+    xb = b.view(b.view(x, view_specs.reshape((4096, 256), (4096, 1, 256))),
+                view_specs.expand((4096, 1, 256), (4096, n, 256)))
+    wb = b.view(b.view(w, view_specs.reshape((n, 256), (1, n, 256))), view_specs.expand((1, n, 256), (4096, n, 256)))
+    mm = b.reduce(Op.SUM_REDUCE, b.binary(Op.MUL, xb, wb), 2)
+    zero = b.const(0.0, DType.F32)
+    g = b.build([b.where(b.binary(Op.LESS_THAN, zero, mm), mm, zero)])
+    opt, _ = saturate(g, SearchLimits(pool=POOL))
+    assert [nd.schedule for nd in opt.nodes if nd.kernel == "gemm"] == [f"parallel/tile={tile}"]
+    (gemm,) = [k for k in partition(opt).kernels if k.kind == "gemm"]
+    assert gemm.tile == tile and gemm.parallel and len(gemm.nodes) > 2  # the ReLU is its epilogue
+    # a batch of 8 matrices
+    b = GraphBuilder()
+    p = b.input("p", (8, 256, 1, 64), DType.F32)
+    q = b.input("q", (8, 1, 256, 64), DType.F32)
+    pb = b.view(p, view_specs.expand((8, 256, 1, 64), (8, 256, 256, 64)))
+    qb = b.view(q, view_specs.expand((8, 1, 256, 64), (8, 256, 256, 64)))
+    opt, _ = saturate(b.build([b.reduce(Op.SUM_REDUCE, b.binary(Op.MUL, pb, qb), 3)]), SearchLimits(pool=POOL))
+    (gemm,) = [k for k in partition(opt).kernels if k.kind == "gemm"]
+    assert gemm.tile == 0
+
+
 def test_parallel_axes_collapse_when_the_first_loop_is_short():
     """A softmax over [2, 64, 128] rows on an 8-thread pool: its first loop has 2 iterations, so
     sharing only it keeps 6 threads idle; the search collapses the outer loops (128 rows) into

@@ -41,9 +41,14 @@ KERNEL_CHOICES = {"gemm": (Op.SUM_REDUCE,), "attention": (Op.SUM_REDUCE,), "row"
 # reductions) puts the reduction's loop outside the loops over the axes after it, so the input
 # is read in its memory order, "/collapse" (parallel reductions and row kernels) shares all
 # their outer loops' iterations across the pool as one loop rather than only the first loop's,
-# and "/tile=N" (attention) works N query rows at a time. Only reductions (GEMMs, attention) and
-# row kernels' roots carry one: they are kernel roots whatever else the partition decides.
+# and "/tile=N" works N rows at a time: an attention kernel's query rows (ATTENTION_TILES), a
+# GEMM's rows of C per BLAS call, its epilogue run on them right after (GEMM_TILES). Only
+# reductions (GEMMs, attention) and row kernels' roots carry one: they are kernel roots whatever
+# else the partition decides.
 ATTENTION_TILES = (16, 32, 64, 128)
+DEFAULT_ATTENTION_TILE = 64  # query rows per tile where no tile was searched
+GEMM_TILES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+DEFAULT_GEMM_TILE = 256  # rows of C per BLAS call of a GEMM split across the pool, where no tile was searched
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,7 @@ def parse_schedule(s: str) -> Optional[KernelSchedule]:
             axis_outer = True
         elif part == "collapse" and head == "parallel" and not (collapse or tile):
             collapse = True
-        elif part.startswith("tile=") and not tile and part[5:] in {str(t) for t in ATTENTION_TILES}:
+        elif part.startswith("tile=") and not tile and part[5:] in {str(t) for t in ATTENTION_TILES + GEMM_TILES}:
             tile = int(part[5:])
         else:
             raise ValueError(f"unknown schedule {s!r}")
@@ -167,8 +172,9 @@ def validate(g: Graph) -> None:
             raise ValueError(f"node %{i}: only a plain reduction's loops can be reordered")
         if sched is not None and sched.collapse and n.kernel not in ("", "row"):
             raise ValueError(f"node %{i}: only a reduction's or row kernel's loops collapse")
-        if sched is not None and sched.tile and n.kernel != "attention":
-            raise ValueError(f"node %{i}: only an attention kernel has a tile of query rows")
+        if sched is not None and sched.tile and sched.tile not in {"attention": ATTENTION_TILES,
+                                                                    "gemm": GEMM_TILES}.get(n.kernel, ()):
+            raise ValueError(f"node %{i}: a tile of {sched.tile} rows for a {n.kernel or 'plain'} kernel")
     for o in g.outputs:
         if not 0 <= o < len(g.nodes):
             raise ValueError(f"graph output %{o} does not exist")

@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
-from kiln.ir.graph import ATTENTION_TILES, Graph
+from kiln.ir.graph import ATTENTION_TILES, GEMM_TILES, Graph
 from kiln.ir.ops import Op
 from kiln.ir.shape import contiguous_strides, numel
 from kiln.ir.view import ViewSpec, compose
@@ -23,7 +23,7 @@ class Kernel:
     axis: int = -1            # row and attention kernels: the axis their reductions run along
     scores: int = -1          # attention kernels: the first GEMM (Q·Kᵀ); `output` is the second (P·V)
     order: str = ""           # reduce kernels: "axis-outer" loops the reduced axis outside the axes after it
-    tile: int = 0             # attention kernels: query rows per tile (0: codegen's default)
+    tile: int = 0             # attention: query rows per tile; GEMM: rows of C per BLAS call (0: codegen's default)
     collapse: bool = False    # parallel reduce and row kernels: one pool loop over all their outer loops
 
 
@@ -235,12 +235,16 @@ def kernel_graph_from_pb(p) -> KernelGraph:
                 raise ValueError(f"attention kernel {k.name!r} does not name its two GEMMs and its row axis")
         if k.order not in ("", "axis-outer") or (k.order and k.kind != "reduce"):
             raise ValueError(f"kernel {k.name!r} has an unknown loop order {k.order!r} for a {k.kind} kernel")
-        if k.tile and (k.kind != "attention" or k.tile not in ATTENTION_TILES):
+        if k.tile and k.tile not in {"attention": ATTENTION_TILES, "gemm": GEMM_TILES}.get(k.kind, ()):
             raise ValueError(f"kernel {k.name!r}: a tile of {k.tile} rows for a {k.kind} kernel")
         if k.collapse and (k.kind not in ("reduce", "row") or not k.parallel):
             raise ValueError(f"kernel {k.name!r}: only a parallel reduce or row kernel collapses its loops")
-        kernels.append(Kernel(k.name, k.kind, tuple(k.nodes), k.output, tuple(k.reads), k.parallel, k.axis,
-                              k.scores if k.kind == "attention" else -1, k.order, k.tile, k.collapse))
+        kernel = Kernel(k.name, k.kind, tuple(k.nodes), k.output, tuple(k.reads), k.parallel, k.axis,
+                        k.scores if k.kind == "attention" else -1, k.order, k.tile, k.collapse)
+        if k.tile and k.kind == "gemm" and (kernel_gemm(g, kernel) is None
+                                            or gemm_dims(g, kernel_gemm(g, kernel))[1] != 1):
+            raise ValueError(f"kernel {k.name!r}: a batched GEMM has no tile of rows (one BLAS call per matrix)")
+        kernels.append(kernel)
     prepare = graph_from_pb(p.prepare) if p.HasField("prepare") else None
     check_prepare(g, prepare)
     return KernelGraph(g, tuple(kernels), prepare)
