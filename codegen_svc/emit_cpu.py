@@ -794,7 +794,11 @@ class _KernelWriter:
                                       f"{self.store(out.dtype, self.value(self.k.output, tuple(idx)))}")
 
     def _pack_rows(self, node, m_axes, k, F, K) -> list[str]:
-        """Copy A's rows s0..s1 into the block `at`, each element read through A's views."""
+        """Copy A's rows s0..s1 into the block `at`, each element read through A's views (in the
+        source's own loops where A's rows are runs of a strided view's elements, _row_runs)."""
+        runs = self._row_runs(node, m_axes, k, F, K)
+        if runs is not None:
+            return self._pack_runs(*runs)
         pad = " " * 16
         lines = ["            for mm in range(s0, s1):"]
         pidx = ["0"] * len(F)
@@ -806,6 +810,59 @@ class _KernelWriter:
         lines.append(pad + f"for p{k} in range({_d(K)}):")
         return lines + self.statement(pad + "    ",
                                       lambda: f"at[mm - s0, np.uint64(p{k})] = {self.value(node, tuple(pidx))}")
+
+    def _row_runs(self, node, m_axes, k, F, K):
+        """When A (GEMM operand `node`, a view of a buffer this kernel reads) is a strided view V
+        of the buffer, of static shape S, read in V's row-major order: row m of A is the elements
+        m·K .. m·K + K - 1 of that order, and K the product of S's trailing dims from t on. Then
+        (buffer, V, t); else None. (A transformer's head merge: attention output [b, h, s, d]
+        permuted to [b, s, h, d] and reshaped to [b·s, h·d] composes into no single strided
+        view, so reading it element by element unravels a flat index with four divisions; in
+        V's loops, each row is h runs of d contiguous elements.)"""
+        root, chain = view_root(self.g, node)
+        if root not in self.reads or self.g.nodes[root].dtype is not self.g.nodes[node].dtype:
+            return None
+        for cut in range(1, len(chain)):
+            inner, outer = compose_chain(chain[:cut]), compose_chain(chain[cut:])
+            if inner is None or outer is None or inner.mask is not None or outer.mask is not None:
+                continue
+            S = tuple(inner.shape)
+            if not all(isinstance(d, int) for d in S + tuple(F)) or outer.offset != 0:
+                continue
+            rows = contiguous_strides(tuple(F[j] for j in m_axes))
+            want = [0] * len(F)
+            for j, st in zip(m_axes, rows):
+                want[j] = st * K
+            want[k] = 1
+            if any(F[j] != 1 and outer.strides[j] != want[j] for j in range(len(F))):
+                continue
+            t = next((t for t in range(len(S) + 1) if numel(S[t:]) == K), None)
+            if t is not None:
+                return self.reads[root], inner, t, self.g.nodes[root].dtype
+        return None
+
+    def _pack_runs(self, buf: str, v: ViewSpec, t: int, dtype: DType) -> list[str]:
+        """_pack_rows in V's own loops: row mm's index over V's leading dims (before t) once, then
+        nested loops over its trailing dims, the innermost reading contiguous runs where V's
+        stride is 1; no flat index is unravelled per element."""
+        S, pad = tuple(v.shape), " " * 16
+        lines = ["            for mm in range(s0, s1):"]
+        base = [_d(v.offset)]
+        for j, e in enumerate(self.unravel("mm", S[:t])):
+            if e != "0":
+                lines.append(pad + f"q{j} = {e}")
+                base.append(_scaled(f"q{j}", v.strides[j]))
+        lines.append(pad + f"qb = {_sum(base)}")
+        src, dst = ["qb"], []
+        for j, st in zip(range(t, len(S)), contiguous_strides(S[t:])):
+            if S[j] == 1:
+                continue
+            lines.append(pad + f"for q{j} in range({S[j]}):")
+            pad += "    "
+            src.append(_scaled(f"q{j}", v.strides[j]))
+            dst.append(_scaled(f"q{j}", st))
+        return lines + [pad + f"at[mm - s0, {'np.uint64(' + _sum(dst) + ')' if dst else '0'}] = "
+                        f"{self.load(dtype, _at(buf, _sum(src)))}"]
 
     def _epilogue_rows(self, gi: int, Nt):
         """When the epilogue can run on a block of C's rows as soon as BLAS wrote them: the

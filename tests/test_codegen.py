@@ -182,6 +182,24 @@ def test_collapsed_parallel_loops_match(local_pipeline):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_head_merge_packs_in_the_source_loops_and_matches(local_pipeline, dtype):
+    """A transformer's head merge before its output projection: [b, h, s, d] permuted to
+    [b, s, h, d] and reshaped to [b·s, h·d] is no strided view BLAS takes, so the GEMM packs A's
+    rows; each row is h runs of d contiguous elements of the source, packed in the source's own
+    loops (no flat index unravelled per element). f32 and f16 match torch."""
+    w, bias = torch.randn(64, 80).to(dtype), torch.randn(80).to(dtype)
+    fn = lambda o: o.permute(0, 2, 1, 3).reshape(2 * 48, 64) @ w + bias  # noqa: E731
+    o = torch.randn(2, 4, 48, 16).to(dtype)
+    compiled = kiln.compile(Fn(fn), (o,), pipeline=local_pipeline, candidates=1)
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+    (src,) = [k.source for k in bundle.kernels if k.kind == "gemm"]
+    assert "for q2 in range(4):" in src and "for q3 in range(16):" in src, src
+    tol = 1e-4 if dtype is torch.float32 else 2e-2
+    got, want = compiled(o), fn(o)
+    assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 def test_convolution_packs_its_rows_in_small_blocks_and_matches(local_pipeline):
     """A convolution's GEMM reads A through an im2col view: each sub-block of rows is packed
     just before BLAS reads it. Its B (72 x 8) is small, so the sub-blocks are short (64 rows,
