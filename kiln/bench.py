@@ -3,8 +3,9 @@
 Each model is run by the three in one process, on the same thread count, interleaved call by
 call after warm-up; latencies are medians. Peak memory is the rise of the process's resident
 set over one call of each (the heap trimmed first, VmHWM reset through /proc/self/clear_refs). For models with
-GEMMs the harness also times BLAS sgemm (torch.mm) on each GEMM shape of kiln's kernel graph
-in the same run: the model's GEMM flops over that time is the roofline kiln is held against.
+GEMMs the harness also times BLAS sgemm (torch.mm) on each GEMM shape of kiln's kernel graph,
+all shapes in turn as a fourth runner interleaved with the three: the model's GEMM flops over
+that time is the roofline kiln is held against.
 """
 
 from __future__ import annotations
@@ -117,21 +118,18 @@ def _gemm_shapes(compiled) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _sgemm_ms(shapes, repeats: int) -> float:
-    """BLAS sgemm (torch.bmm / mm) on each shape, medians summed: the GEMM work's floor."""
-    total = 0.0
+def _sgemm_runner(shapes) -> Callable[[], None]:
+    """BLAS sgemm (torch.bmm / mm) on every shape in turn: the GEMM work's floor, timed
+    interleaved with the systems it bounds (a machine slower for a while is slower for both)."""
+    calls = []
     for b, m, n, k in shapes:
         a, w = torch.randn(b, m, k), torch.randn(b, k, n)
-        f = (lambda: torch.mm(a[0], w[0])) if b == 1 else (lambda: torch.bmm(a, w))
-        for _ in range(3):
+        calls.append((lambda a=a, w=w: torch.mm(a[0], w[0])) if b == 1 else (lambda a=a, w=w: torch.bmm(a, w)))
+
+    def run() -> None:
+        for f in calls:
             f()
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t)
-        total += statistics.median(times) * 1e3
-    return total
+    return run
 
 
 def bench(name: str, repeats: int = 20, warmup: int = 5, inductor: bool = True, pipeline=None,
@@ -150,6 +148,9 @@ def bench(name: str, repeats: int = 20, warmup: int = 5, inductor: bool = True, 
     if inductor:
         ind = torch.compile(model)
         runners["inductor"] = lambda: ind(*args)
+    shapes = _gemm_shapes(compiled)
+    if shapes:
+        runners["sgemm"] = _sgemm_runner(shapes)
     times: dict[str, list[float]] = {k: [] for k in runners}
     with torch.no_grad():
         ref = model(*args)
@@ -163,11 +164,10 @@ def bench(name: str, repeats: int = 20, warmup: int = 5, inductor: bool = True, 
                 t = time.perf_counter()
                 f()
                 times[key].append(time.perf_counter() - t)
-        peaks = {key: _peak_mb(f) for key, f in runners.items()}
+        peaks = {key: _peak_mb(f) for key, f in runners.items() if key != "sgemm"}
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    shapes = _gemm_shapes(compiled)
     gflop = sum(2.0 * b * m * n * k for b, m, n, k in shapes) / 1e9
-    sgemm = _sgemm_ms(shapes, repeats) if shapes else None
+    sgemm = med.get("sgemm")
     r = BenchResult(name, med["kiln"], med["eager"], med.get("inductor"), err, peaks["kiln"], peaks["eager"],
                     peaks.get("inductor"), threads, repeats, compiled.result.kernels, gflop, sgemm,
                     sgemm / med["kiln"] if sgemm else None)
