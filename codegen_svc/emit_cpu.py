@@ -381,15 +381,23 @@ class _KernelWriter:
 
     @staticmethod
     def unravel(flat: str, shape) -> tuple[str, ...]:
+        """The multi-index of `flat` in shape's row-major order. Divided unsigned: numba's signed
+        // and % follow Python's floor rounding, a test and a fix-up each; unsigned ones are a
+        multiply and a shift (packing 256 rows of BERT's head merge: 626 us signed, 303
+        unsigned). A flat index is never negative where it is read; where a padded view's
+        source index is (the mask is false) its parts are never read."""
         out = []
         for k, c in enumerate(contiguous_strides(shape)):
             if shape[k] == 1:
                 out.append("0")
                 continue
-            e = flat if c == 1 else f"({flat} // {_d(c)})"
+            if c == 1 and k == 0:
+                out.append(flat)
+                continue
+            e = f"np.uint64({flat})" if c == 1 else f"(np.uint64({flat}) // np.uint64({_d(c)}))"
             if k > 0:
-                e = f"({e} % {_d(shape[k])})"
-            out.append(e)
+                e = f"({e} % np.uint64({_d(shape[k])}))"
+            out.append(f"np.int64({e})")
         return tuple(out)
 
     # ---- kernel bodies ----
