@@ -160,10 +160,17 @@ def _symbol_ranges(ep) -> tuple[tuple[str, int, int], ...]:
     out = []
     for sym, vr in ep.range_constraints.items():
         if getattr(sym, "is_Symbol", False):
-            lo = int(vr.lower) if vr.lower.is_finite else 0
-            hi = int(vr.upper) if vr.upper.is_finite else (1 << 31) - 1
-            out.append((sym.name, lo, hi))
+            out.append((sym.name, _bound(vr.lower, 0), _bound(vr.upper, (1 << 31) - 1)))
     return tuple(sorted(out))
+
+
+def _bound(v, unbounded: int) -> int:
+    """A range end as an int; an infinite one (sympy's oo, or torch's int_oo, which int() refuses)
+    is `unbounded`."""
+    try:
+        return int(v) if v.is_finite else unbounded
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        return unbounded
 
 
 def _dim(d, what: str):

@@ -17,6 +17,7 @@ from kiln.ir import view as views
 from kiln.ir.builder import GraphBuilder, NodeId
 from kiln.ir.dtypes import DType
 from kiln.ir.ops import Op
+from kiln.ir.shape import Sym
 
 aten = torch.ops.aten
 
@@ -44,10 +45,22 @@ def is_scalar(x) -> bool:
 
 
 def _to(b: GraphBuilder, x, dtype: DType, like=None) -> int:
-    """A tensor id of `dtype`; Python scalars become broadcast constants shaped like `like`."""
+    """A tensor id of `dtype`; Python scalars become broadcast constants shaped like `like`, and
+    a symbolic integer (a dynamic dim's size used as a value) its value (sym_value)."""
+    if isinstance(x, Sym):
+        v = sym_value(b, x, dtype)
+        return b.expand(v, b.shape(like)) if like is not None and b.shape(like) else v
     if is_scalar(x):
         return b.const(x, dtype, b.shape(like) if like is not None else ())
     return b.cast(x, dtype)
+
+
+def sym_value(b: GraphBuilder, s: Sym, dtype: DType) -> int:
+    """A symbolic integer's value as a scalar tensor of `dtype`: the IR has constants only of
+    known value, so it counts, summing s ones along a dim of size s (bound at run time; s >= 0,
+    as every dim)."""
+    total = b.reduce(Op.SUM_REDUCE, b.const(1, dtype, (s,)), 0)
+    return b.reshape(total, ())
 
 
 def _binary_args(b, node, x, y):

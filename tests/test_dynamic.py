@@ -35,3 +35,57 @@ def test_out_of_range_and_inconsistent_shapes_are_invalid_argument(local_pipelin
         compiled(torch.randn(65, 64))
     with pytest.raises(InvalidArgument, match=r"expected shape"):
         local_pipeline.run(compiled.session, [("x", np.zeros((4, 63), np.float32))])
+
+
+def test_a_dims_size_used_as_a_value(local_pipeline):
+    """A symbolic dim's size used in arithmetic (x + len(x), positions counted from it) is the
+    size bound at run time, not a constant of the example's."""
+    from modules import Fn
+
+    fn = lambda x: x * x.shape[0] + torch.arange(x.shape[0], dtype=torch.float32)[:, None]  # noqa: E731
+    compiled = kiln.compile(Fn(fn), (torch.randn(5, 3),), pipeline=local_pipeline,
+                            dynamic_shapes={"xs": ({0: Dim("n", min=2, max=64)},)})
+    for n in (2, 5, 17, 64):
+        x = torch.randn(n, 3)
+        assert torch.allclose(compiled(x), fn(x), rtol=1e-6, atol=1e-5), n
+
+
+def test_llama_decode_step_with_a_symbolic_past(local_pipeline):
+    """One decode step of a tiny Llama over a KV cache whose length is a symbolic dim: the cache
+    comes in as inputs, the step appends the new token's keys and values, and one bundle serves
+    every past length, matching transformers (logits and the grown cache)."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2)).eval()
+
+    class Decode(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids, pos, kv):
+            cache = DynamicCache()
+            for i in range(2):
+                cache.update(kv[2 * i], kv[2 * i + 1], i)
+            out = self.m(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            grown = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+            return (out.logits, *grown)
+
+    step = Decode().eval()
+    kv = tuple(torch.randn(1, 2, 5, 32) for _ in range(4))
+    ids, pos = torch.tensor([[7]]), torch.tensor([[5]])
+    compiled = kiln.compile(step, (ids, pos, kv), pipeline=local_pipeline,
+                            dynamic_shapes=(None, None, tuple({2: Dim.AUTO(min=2, max=256)} for _ in kv)))
+    bundle = compiled.result.bundle
+    with torch.no_grad():
+        for past in (2, 9, 40, 256):
+            kv = tuple(torch.randn(1, 2, past, 32) for _ in range(4))
+            ids, pos = torch.randint(0, 1000, (1, 1)), torch.tensor([[past]])
+            got, want = compiled(ids, pos, kv), step(ids, pos, kv)
+            assert [g.shape for g in got] == [w.shape for w in want], past
+            for g, w in zip(got, want):
+                assert torch.allclose(g, w, rtol=1e-4, atol=1e-5), (past, (g - w).abs().max())
+    assert compiled.result.bundle == bundle
