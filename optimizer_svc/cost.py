@@ -90,8 +90,9 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
             batch, m, n, depth = (evaluate_dim(d, env) for d in gemm_dims(g, gi)[1:])
             if batch == 1:  # one thread's rows of C in tiles: B packed per BLAS call, C out of cache
                 used = max(1, min(pool, m // GEMM_BLOCK_ROWS))
-                calls, units = gemm_tile_extra(-(-m // used), n, depth,
-                                               k.tile or (DEFAULT_GEMM_TILE if k.parallel else 0), ops > 0)
+                # no searched tile: the codegen's blocks, for an epilogue on the pool's blocks of rows
+                default = DEFAULT_GEMM_TILE if k.parallel and ops > 0 else 0
+                calls, units = gemm_tile_extra(-(-m // used), n, depth, k.tile or default, ops > 0)
                 compute += calls * serial_overhead + units * threads / rate
         elif k.kind == "attention":  # two GEMMs and, per score, the softmax's elementwise work
             p = gemm_axes(g, k.output).a_root
