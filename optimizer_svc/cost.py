@@ -9,7 +9,9 @@ is parallel; every kernel moves its output and the buffers it reads once
 at the measured bandwidth, and elementwise work runs at the measured elementwise rate (both
 measured with the whole pool: a serial kernel gets one thread's share), one unit per element
 for each elementwise or reduction op (views and constants are free; a GEMM's epilogue counts,
-its Mul and SumReduce are its GEMM time). A reduction over an axis with a cache line or more of
+its Mul and SumReduce are its GEMM time). Work on data in cache (a GEMM's epilogue on its
+block of C, attention's softmax on its tile of scores) runs at the measured in-cache rate, so a
+fused epilogue is priced below a separate pass that streams C back from memory. A reduction over an axis with a cache line or more of
 elements after it pays the search's strided-read factor in its default loop order, its
 accumulator factor in the axis-outer order (search.order_factor), as extraction prices them; a
 GEMM's tile of rows (B packed per BLAS call, a block of C read back from memory) and attention's
@@ -74,6 +76,7 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
     threads = max(profile.threads, 1)
     bw = max(profile.bandwidth_gbs, 1e-3) * 1e9
     rate = max(profile.elementwise_gelems, 1e-3) * 1e9
+    cached = max(profile.cached_gelems * 1e9, rate)  # a profile from before it was measured: the streaming rate
     serial_overhead = (profile.serial_overhead_us or profile.kernel_overhead_us) * 1e-6  # also one BLAS call's
     out = []
     for k in kg.kernels:
@@ -86,7 +89,7 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
         ops = _ops(g, k)
         if k.kind == "gemm":
             gi = kernel_gemm(g, k)
-            compute = _gemm_seconds(g, gi, env, profile, pool) + elems(k.output) * ops / (rate * share)
+            compute = _gemm_seconds(g, gi, env, profile, pool) + elems(k.output) * ops / (cached * share)
             batch, m, n, depth = (evaluate_dim(d, env) for d in gemm_dims(g, gi)[1:])
             if batch == 1:  # one thread's rows of C in tiles: B packed per BLAS call, C out of cache
                 used = max(1, min(pool, m // GEMM_BLOCK_ROWS))
@@ -97,7 +100,7 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
         elif k.kind == "attention":  # two GEMMs and, per score, the softmax's elementwise work
             p = gemm_axes(g, k.output).a_root
             compute = (_gemm_seconds(g, k.scores, env, profile, pool) + _gemm_seconds(g, k.output, env, profile, pool)
-                       + elems(p) * max(1, ops) / (rate * share))
+                       + elems(p) * max(1, ops) / (cached * share))
             batch, m, keys = (evaluate_dim(d, env) for d in gemm_dims(g, k.scores)[1:4])
             # its tile's BLAS calls and cache misses, shared by the pool
             calls, units = attention_tile_extra(batch, m, keys, evaluate_dim(gemm_dims(g, k.output)[3], env),

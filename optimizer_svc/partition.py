@@ -140,7 +140,10 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
     def chosen(k: Kernel):  # the search's schedule for the kernel, where its root has one
         if not schedule.searched or k.kind not in ("gemm", "attention", "row", "reduce"):
             return None
-        return parse_schedule(g.nodes[kernel_gemm(g, k) if k.kind == "gemm" else k.output].schedule)
+        root = g.nodes[kernel_gemm(g, k) if k.kind == "gemm" else k.output]
+        if k.kind == "gemm" and root.kernel != "gemm":  # attention's P·V on its own: its tile is no GEMM's
+            return None
+        return parse_schedule(root.schedule)
 
     def parallel(k: Kernel) -> bool:  # by the size thresholds
         if k.kind in ("elementwise", "reduce", "row"):

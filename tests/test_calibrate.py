@@ -20,6 +20,7 @@ def test_calibrate_measures_once_per_fingerprint(file_store, tmp_path):
     assert [g.shape_class for g in p.gemm] == [c[0] for c in GEMM_CLASSES]
     assert all(g.gflops > 0.05 for g in p.gemm)  # real BLAS: far above a naive scalar loop
     assert p.bandwidth_gbs > 0.1 and p.elementwise_gelems > 0 and 0 < p.kernel_overhead_us < 1e5
+    assert p.cached_gelems > p.elementwise_gelems  # in cache, not streamed from memory (~10x here)
     d2, p2, cached2 = calibrate(file_store)
     assert cached2 and d2 == d and p2 == p
     # another store in this process gets the same measurement without measuring again
@@ -166,3 +167,29 @@ def test_prediction_prices_gemm_and_attention_tiles():
     qkv = (torch.randn(1, 2, 256, 16),) * 3
     t16, t64 = (seconds(attend, qkv, "attention", t) for t in (16, 64))
     assert t16 - t64 == pytest.approx(2 * 2 * (16 - 4) * 0.25e-6)
+
+
+def test_prediction_prices_an_epilogue_at_the_in_cache_rate():
+    """A GEMM's epilogue works on its block of C while it is in cache: its ops are priced at the
+    profile's in-cache rate, and a separate elementwise pass (streaming C back from memory) at
+    the streaming rate, so the fused GEMM is predicted faster, by the difference of the two rates
+    and the second kernel's fixed cost. A profile without an in-cache rate prices both alike."""
+    from importer_svc.importer import lower_program
+    from optimizer_svc.cost import predict
+    from optimizer_svc.partition import Schedule, partition
+    from optimizer_svc.search import SearchLimits, saturate
+    from modules import Fn
+
+    w, bias = torch.randn(256, 1024), torch.randn(1024)
+    g, _ = lower_program(torch.export.export(Fn(lambda x: torch.relu(x @ w + bias)), (torch.randn(512, 256),)))
+    opt, _ = saturate(g, SearchLimits())
+    fused, split = (partition(opt, schedule=Schedule(epilogues=e, searched=False)) for e in (True, False))
+    assert [k.kind for k in fused.kernels] == ["gemm"] and [k.kind for k in split.kernels] == ["gemm", "elementwise"]
+    for cached in (20.0, 0.0):
+        profile = services_pb2.TargetProfile(target="cpu", threads=2, elementwise_gelems=2.0, cached_gelems=cached,
+                                             bandwidth_gbs=1000.0, kernel_overhead_us=2.0, serial_overhead_us=0.25)
+        profile.gemm.add(shape_class="square", m=512, n=512, k=512, gflops=100.0)
+        t_fused, t_split = (sum(c.seconds for c in predict(kg, profile)) for kg in (fused, split))
+        ops = 512 * 1024 * 3  # per element of C: the bias add, and the ReLU's compare and select
+        in_cache = ops / ((cached or 2.0) * 1e9)
+        assert t_split - t_fused == pytest.approx(ops / 2.0e9 - in_cache + 2e-6, rel=1e-6), cached

@@ -118,6 +118,7 @@ def _compile_for(pipeline, fn, args, threads: int):
     from kiln.v1 import services_pb2
 
     profile = services_pb2.TargetProfile(target="cpu", threads=threads, elementwise_gelems=threads * 1.4,
+                                         cached_gelems=threads * 12.0,
                                          bandwidth_gbs=30.0, kernel_overhead_us=2.0, serial_overhead_us=0.25)
     profile.gemm.add(shape_class="square", m=512, n=512, k=512, gflops=150.0)
     ep = torch.export.export(Fn(fn), args)
