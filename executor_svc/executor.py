@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
@@ -169,6 +170,10 @@ class Executor:
         single_threaded_blas()
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
+        # weights by blob digest, shared by every session that binds them (a causal LM's
+        # prefill and decode programs): held while some session holds them
+        self._weights: "weakref.WeakValueDictionary[str, np.ndarray]" = weakref.WeakValueDictionary()
+        self._batchers: dict[Digest, object] = {}
 
     def open(self, bundle_d: Digest, manifest_d: Digest) -> Session:
         """A session for the bundle with its weights bound, not yet registered."""
@@ -179,14 +184,27 @@ class Executor:
             manifest = self.store.get_message(manifest_d, ir_pb2.WeightManifest)
             entries = {w.name: w for w in manifest.weights}
 
-            def read(spec: TensorSpec) -> np.ndarray:
+            def entry(spec: TensorSpec):
                 e = entries.get(spec.name)
                 if e is None:
                     raise InvalidArgument(f"manifest {manifest_d} has no weight {spec.name!r} that the bundle binds")
                 if tuple(e.shape) != tuple(spec.shape) or dtype_from_pb(e.dtype) is not spec.dtype:
                     raise InvalidArgument(f"weight {spec.name!r}: manifest has {list(e.shape)}, bundle expects "
                                           f"{spec.dtype.value}{format_shape(spec.shape)}")
-                return np.frombuffer(self.store.get(Digest.from_pb(e.digest)), dtype=spec.dtype.numpy)
+                return e
+
+            def read(spec: TensorSpec) -> np.ndarray:
+                return np.frombuffer(self.store.get(Digest.from_pb(entry(spec).digest)), dtype=spec.dtype.numpy)
+
+            def bound(spec: TensorSpec) -> np.ndarray:  # the kernels' array, shared by digest
+                key = f"{entry(spec).digest.hash}/{spec.dtype.value}"
+                with self._lock:
+                    a = self._weights.get(key)
+                if a is None:
+                    a = kernel_array(read(spec).copy())
+                    with self._lock:
+                        a = self._weights.setdefault(key, a)
+                return a
 
             derived = prepare_weights(bundle, read) if bundle.HasField("prepare") else {}
             weights = []
@@ -198,9 +216,9 @@ class Executor:
                         raise InvalidArgument(f"bundle's prepare graph makes {spec.name!r} as {w.dtype}"
                                               f"{list(w.shape)}, the program reads {spec.dtype.value}"
                                               f"{format_shape(spec.shape)}")
+                    weights.append(kernel_array(np.ascontiguousarray(w).reshape(-1).copy()))
                 else:
-                    w = read(spec)
-                weights.append(kernel_array(np.ascontiguousarray(w).reshape(-1).copy()))
+                    weights.append(bound(spec))
             mod = load_bundle_module(bundle_d, bundle)
             return Session(uuid.uuid4().hex, bundle_d, getattr(mod, bundle.entry),
                            tuple(tensor_spec_from_pb(t) for t in bundle.inputs),
@@ -246,6 +264,31 @@ class Executor:
         return [(spec.name, np.asarray(o).view(spec.dtype.numpy).reshape(tuple(evaluate_dim(d, env) for d in spec.shape)))
                 for spec, o in zip(s.outputs, outs)]
 
+
+    def batcher(self, lm_d: Digest):
+        """The Batcher serving the CausalLM `lm_d` (executor_svc/generate.py): its prefill and
+        decode programs loaded once, over one set of weights."""
+        from executor_svc.generate import Batcher, max_sequences_setting
+        from kiln.v1 import services_pb2
+
+        with self._lock:
+            b = self._batchers.get(lm_d)
+        if b is not None:
+            return b
+        with span("executor.load_lm", **{"kiln.model": str(lm_d)}):
+            lm = self.store.get_message(lm_d, services_pb2.CausalLM)
+            if not (lm.layers > 0 and lm.max_context > 1 and lm.max_batch > 0 and lm.vocab_size > 0):
+                raise InvalidArgument(f"{lm_d} is not a CausalLM (layers, context, batch and vocabulary must be set)")
+            prefill = self.open(Digest.from_pb(lm.prefill_bundle), Digest.from_pb(lm.prefill_manifest))
+            decode = self.open(Digest.from_pb(lm.decode_bundle), Digest.from_pb(lm.decode_manifest))
+            want = 1 + 2 * lm.layers
+            for name, s in (("prefill", prefill), ("decode", decode)):
+                if len(s.outputs) != want:
+                    raise InvalidArgument(f"{lm_d}: its {name} program has {len(s.outputs)} outputs; a model of "
+                                          f"{lm.layers} layers has logits and {2 * lm.layers} cache tensors")
+            b = Batcher(lm, prefill, decode, self.run_session, max_sequences_setting(lm.max_batch))
+        with self._lock:
+            return self._batchers.setdefault(lm_d, b)
 
     def profile(self, bundles: Sequence[Digest], manifest: Digest, repeats: int = 20,
                 symbols: Mapping[str, int] | None = None) -> list[tuple[Digest, float, float]]:

@@ -1,12 +1,13 @@
 """Executor gRPC servicer: decode, call the Executor, encode."""
 
 from kiln.digest import Digest
-from kiln.service import rpc
+from kiln.service import rpc, rpc_stream
 from kiln.telemetry import span
 from kiln.tensors import array_from_pb, array_to_pb
 from kiln.v1 import services_pb2, services_pb2_grpc
 from executor_svc.calibrate import calibrate, known_profile
 from executor_svc.executor import Executor
+from executor_svc.generate import sampling_from_pb
 
 
 class ExecutorServicer(services_pb2_grpc.ExecutorServicer):
@@ -50,3 +51,16 @@ class ExecutorServicer(services_pb2_grpc.ExecutorServicer):
         return services_pb2.ProfileResponse(timings=[
             services_pb2.BundleTiming(bundle=b.to_pb(), median_s=med, min_s=lo, repeats=request.repeats or 20)
             for b, med, lo in timings])
+
+    @rpc_stream
+    def Generate(self, request, context):
+        batcher = self.executor.batcher(Digest.from_pb(request.model))
+        seq = batcher.submit(list(request.prompt_ids), request.max_new_tokens, sampling_from_pb(request),
+                             tuple(tuple(s.ids) for s in request.stop_sequences), request.ignore_eos)
+        # a client that cancels or disconnects frees the sequence at once
+        context.add_callback(lambda: batcher.cancel(seq))
+        try:
+            for token, index, reason in seq.stream():
+                yield services_pb2.GenerateResponse(token_id=token, index=index, finish_reason=reason)
+        finally:
+            batcher.cancel(seq)

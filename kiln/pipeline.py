@@ -75,6 +75,33 @@ def _call(method, request, timeout: Optional[float]):
         raise cls(e.details()) from None
 
 
+def _stream(method, request, timeout: Optional[float]):
+    import grpc
+
+    call = method(request, timeout=timeout)
+    try:
+        for r in call:
+            yield r.token_id, r.finish_reason
+    except grpc.RpcError as e:
+        cls = errors.BY_CODE.get(e.code().name, errors.KilnError)
+        raise cls(e.details()) from None
+    finally:  # a caller that stops early frees the sequence on the executor: the call is cancelled
+        # (the tracing interceptor hands back a generator over it; closing that drops the last
+        # reference to the call, which cancels it)
+        (call.cancel if hasattr(call, "cancel") else call.close)()
+
+
+def _local_stream(executor, model: Digest, req, sampling):
+    batcher = executor.batcher(model)
+    seq = batcher.submit(list(req.prompt_ids), req.max_new_tokens, sampling,
+                         tuple(tuple(s.ids) for s in req.stop_sequences), req.ignore_eos)
+    try:
+        for token, _, reason in seq.stream():
+            yield token, reason
+    finally:
+        batcher.cancel(seq)
+
+
 class Pipeline:
     def __init__(self, store: BlobStore | str | None = None, addresses: Optional[Mapping[str, str]] = None,
                  timeout: Optional[float] = 600.0):
@@ -159,6 +186,23 @@ class Pipeline:
             r = _call(self._stub("executor").Run, req, self.timeout)
             return [(t.name, array_from_pb(t, self.store)) for t in r.outputs]
         return self._local_executor().run(session, inputs)
+
+    def generate(self, model: Digest, prompt_ids: Sequence[int], max_new_tokens: int = 0, *,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0, seed: int = 0,
+                 stop_sequences: Sequence[Sequence[int]] = (), ignore_eos: bool = False):
+        """New tokens of the CausalLM `model` (kiln.llm.compile_causal_lm) for the prompt, as
+        they are made: an iterator of (token id, finish reason: "" until the last one, then
+        "length", "eos" or "stop"). Errors (a limit: ResourceExhausted) are raised when iteration
+        starts, in both modes; closing the iterator early frees the sequence."""
+        req = services_pb2.GenerateRequest(model=model.to_pb(), prompt_ids=list(prompt_ids),
+                                           max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                           top_p=top_p, seed=seed, ignore_eos=ignore_eos,
+                                           stop_sequences=[services_pb2.TokenIds(ids=list(s)) for s in stop_sequences])
+        if "executor" in self.addresses:
+            return _stream(self._stub("executor").Generate, req, self.timeout)
+        from executor_svc.generate import sampling_from_pb
+
+        return _local_stream(self._local_executor(), model, req, sampling_from_pb(req))
 
     def calibrate(self, target: str = "cpu", force: bool = False) -> tuple[Digest, services_pb2.TargetProfile]:
         """The target's measured cost-model constants (measured once per target fingerprint)."""

@@ -46,6 +46,27 @@ def rpc(fn: Callable) -> Callable:
     return wrapper
 
 
+def rpc_stream(fn: Callable) -> Callable:
+    """rpc for a server-streaming method: errors raised while the stream is produced get their
+    status code too."""
+
+    @functools.wraps(fn)
+    def wrapper(self, request, context):
+        try:
+            yield from fn(self, request, context)
+        except errors.KilnError as e:
+            context.abort(_CODES.get(e.code, grpc.StatusCode.INTERNAL), str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # noqa: BLE001 - the boundary: report, keep serving
+            if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortError":
+                raise
+            log.exception("internal error in %s", fn.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+    return wrapper
+
+
 def deadline_of(context) -> Optional[float]:
     """The caller's deadline as a time.monotonic() value, or None."""
     remaining = context.time_remaining()

@@ -420,7 +420,8 @@ def _collect(g: Graph, root: int, materialize):
         if j in seen:
             return
         seen.add(j)
-        if materialize[j] and not top:
+        # an output view's own copy is never read: a kernel reads through the view to its source
+        if materialize[j] and not top and g.nodes[j].op is not Op.VIEW:
             reads.append(j)
             return
         for k in g.nodes[j].inputs:

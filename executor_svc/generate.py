@@ -1,0 +1,270 @@
+"""Generation: a KV cache per sequence in executor memory, decode steps shared by sequences.
+
+A Batcher serves one CausalLM (kiln/llm.py). Each request becomes a Sequence with its own
+cache (per layer, keys and values [1, kv heads, length, head dim]) and attention mask (1 for a
+real token, 0 for a pad slot). One thread runs the model: it prefills sequences that have
+arrived, then runs one decode step over every active sequence (continuous batching: requests
+join and leave between steps). A step left-pads the shorter caches to the longest with masked
+slots; a masked key gets exactly zero weight, so a sequence's tokens do not depend on what it
+was batched with. Tokens go to each sequence's queue as they are made.
+
+Limits: at most `max_sequences` sequences at once and the CausalLM's max context (prompt plus
+new tokens); beyond them ResourceExhausted. A cancelled sequence (its client went away) leaves
+at once: its slot and its cache are released before the next step.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import numpy as np
+
+from kiln.errors import InvalidArgument, KilnError, ResourceExhausted
+from kiln.telemetry import child_span
+
+MIN_PAST = 2  # kiln/llm.py: the decode program's cache holds at least two slots
+FINISH_LENGTH, FINISH_EOS, FINISH_STOP = "length", "eos", "stop"
+
+
+def max_sequences_setting(default: int) -> int:
+    v = os.environ.get("KILN_MAX_SEQUENCES", "")
+    try:
+        n = int(v) if v else default
+    except ValueError:
+        raise InvalidArgument(f"KILN_MAX_SEQUENCES must be a whole number, got {v!r}") from None
+    return max(1, min(n, default))
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int = 0
+
+    def check(self, vocab: int) -> None:
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in [0, 1], got {self.top_p}")
+
+
+def sampling_from_pb(r) -> Sampling:
+    """A GenerateRequest's sampling parameters."""
+    return Sampling(r.temperature, r.top_k, r.top_p, r.seed)
+
+
+def choose_token(logits: np.ndarray, s: Sampling, rng: Optional[np.random.Generator]) -> int:
+    """The next token: the first maximum when greedy; else a draw from the softmax of the
+    logits over the temperature, cut to the top k and to the smallest set whose probability
+    reaches top_p, made with the sequence's own seeded generator."""
+    if s.temperature == 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / s.temperature
+    order = np.argsort(-z, kind="stable")
+    if s.top_k:
+        order = order[:s.top_k]
+    p = np.exp(z[order] - z[order[0]])
+    p /= p.sum()
+    if 0 < s.top_p < 1:
+        keep = int(np.searchsorted(np.cumsum(p), s.top_p)) + 1  # the first prefix reaching top_p
+        order, p = order[:keep], p[:keep] / p[:keep].sum()
+    i = int(np.searchsorted(np.cumsum(p), rng.random() * 1.0, side="right"))
+    return int(order[min(i, len(order) - 1)])
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    stop: list[tuple[int, ...]]
+    eos: frozenset
+    out: "queue.Queue" = field(default_factory=queue.Queue)
+    generated: list[int] = field(default_factory=list)
+    cache: Optional[list[np.ndarray]] = None
+    mask: Optional[np.ndarray] = None
+    position: int = 0          # real tokens in the cache: the next token's position
+    finished: bool = False
+    cancelled: bool = False
+
+    def __post_init__(self):
+        self.rng = np.random.default_rng(self.sampling.seed) if self.sampling.temperature > 0 else None
+
+    def stream(self) -> Iterator[tuple[int, int, str]]:
+        """(token, index, finish reason or "") as they are made; raises what the model raised."""
+        while True:
+            item = self.out.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item[2]:
+                return
+
+
+class Batcher:
+    def __init__(self, lm, prefill, decode, run, max_sequences: int):
+        self.lm, self.prefill, self.decode, self.run = lm, prefill, decode, run
+        self.max_sequences = max_sequences
+        self.eos = frozenset(int(e) for e in lm.eos_token_ids)
+        self.cond = threading.Condition()
+        self.pending: deque[Sequence] = deque()
+        self.active: list[Sequence] = []
+        self.steps = 0             # decode steps run, and
+        self.batched = 0           # sequences they computed together (batched / steps: mean batch)
+        self._thread: Optional[threading.Thread] = None
+
+    # ---- requests ----
+
+    def submit(self, prompt: list[int], max_new_tokens: int = 0, sampling: Sampling = Sampling(),
+               stop: tuple[tuple[int, ...], ...] = (), ignore_eos: bool = False) -> Sequence:
+        lm = self.lm
+        if not prompt:
+            raise InvalidArgument("the prompt holds no tokens")
+        bad = [t for t in prompt if not 0 <= t < lm.vocab_size]
+        if bad:
+            raise InvalidArgument(f"prompt token {bad[0]} is outside the vocabulary [0, {lm.vocab_size})")
+        if max_new_tokens < 0:
+            raise InvalidArgument(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        sampling.check(lm.vocab_size)
+        if any(not s for s in stop):
+            raise InvalidArgument("a stop sequence holds no tokens")
+        room = lm.max_context - len(prompt)
+        if room < 1:
+            raise ResourceExhausted(f"a prompt of {len(prompt)} tokens leaves no room in the model's context of "
+                                    f"{lm.max_context}")
+        if max_new_tokens > room:
+            raise ResourceExhausted(f"{len(prompt)} prompt tokens and {max_new_tokens} new ones exceed the model's "
+                                    f"context of {lm.max_context} tokens")
+        seq = Sequence(list(prompt), max_new_tokens or room, sampling, [tuple(s) for s in stop],
+                       frozenset() if ignore_eos else self.eos)
+        with self.cond:
+            if len(self.pending) + len(self.active) >= self.max_sequences:
+                raise ResourceExhausted(f"this executor is generating {self.max_sequences} sequences for this model, "
+                                        "its limit; retry later")
+            self.pending.append(seq)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="kiln-generate", daemon=True)
+                self._thread.start()
+            self.cond.notify()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """The client went away: free the sequence's slot and cache now."""
+        with self.cond:
+            seq.cancelled = True
+            if seq in self.pending:
+                self.pending.remove(seq)
+            if seq in self.active:
+                self.active.remove(seq)
+            seq.cache = seq.mask = None
+
+    def busy(self) -> int:
+        with self.cond:
+            return len(self.pending) + len(self.active)
+
+    # ---- the model's thread ----
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.pending and not self.active:
+                    self.cond.wait()
+                arrived = list(self.pending)
+                self.pending.clear()
+                self.active.extend(arrived)
+            for seq in arrived:
+                self._guarded([seq], self._prefill)
+            with self.cond:
+                batch = [s for s in self.active if not s.cancelled]
+            if batch:
+                self._guarded(batch, self._decode)
+
+    def _guarded(self, seqs: list[Sequence], step) -> None:
+        try:
+            step(seqs)
+        except Exception as e:  # noqa: BLE001 - the model failed: these requests get the error
+            err = e if isinstance(e, KilnError) else InvalidArgument(f"generation failed: {type(e).__name__}: {e}")
+            for s in seqs:
+                self._finish(s, err)
+
+    def _finish(self, seq: Sequence, error: Optional[BaseException] = None) -> None:
+        with self.cond:
+            seq.finished = True
+            if seq in self.active:
+                self.active.remove(seq)
+            seq.cache = seq.mask = None
+        if error is not None:
+            seq.out.put(error)
+
+    def _emit(self, seq: Sequence, token: int) -> None:
+        seq.generated.append(token)
+        reason = ""
+        if token in seq.eos:
+            reason = FINISH_EOS
+        elif any(len(seq.generated) >= len(s) and tuple(seq.generated[-len(s):]) == s for s in seq.stop):
+            reason = FINISH_STOP
+        elif len(seq.generated) >= seq.max_new_tokens:
+            reason = FINISH_LENGTH
+        if seq.cancelled:
+            return
+        seq.out.put((token, len(seq.generated) - 1, reason))
+        if reason:
+            self._finish(seq)
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        (seq,) = seqs
+        if seq.cancelled:
+            return
+        n = len(seq.prompt)
+        ids = np.array([seq.prompt], dtype=np.int64)
+        mask = np.ones((1, n), dtype=np.int64)
+        pos = np.arange(n, dtype=np.int64)[None]
+        with child_span("executor.prefill", **{"kiln.prompt_tokens": n}):
+            outs = self.run(self.prefill, [("", ids), ("", pos), ("", mask)])
+        logits, cache = outs[0][1], [a for _, a in outs[1:]]
+        seq.cache, seq.mask, seq.position = cache, mask[0], n
+        self._emit(seq, choose_token(logits[0, -1], seq.sampling, seq.rng))
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        with self.cond:
+            seqs = [s for s in seqs if not s.cancelled and not s.finished]
+            if not seqs:
+                return
+            caches = [(s.cache, s.mask) for s in seqs]
+        b = len(seqs)
+        width = max(MIN_PAST, max(len(m) for _, m in caches))
+        ids = np.array([[s.generated[-1]] for s in seqs], dtype=np.int64)
+        pos = np.array([[s.position] for s in seqs], dtype=np.int64)
+        mask = np.zeros((b, width + 1), dtype=np.int64)
+        mask[:, -1] = 1
+        stacked = []
+        for layer in range(len(caches[0][0])):
+            first = caches[0][0][layer]
+            buf = np.zeros((b, first.shape[1], width, first.shape[3]), dtype=first.dtype)
+            for i, (c, m) in enumerate(caches):
+                buf[i, :, width - len(m):] = c[layer][0]
+            stacked.append(buf)
+        for i, (_, m) in enumerate(caches):
+            mask[i, width - len(m):width] = m
+        with child_span("executor.decode_step", **{"kiln.batch": b, "kiln.cache_len": width}):
+            outs = self.run(self.decode, [("", ids), ("", pos), ("", mask)] + [("", c) for c in stacked])
+        self.steps += 1
+        self.batched += b
+        logits, grown = outs[0][1], [a for _, a in outs[1:]]
+        for i, s in enumerate(seqs):
+            keep = len(caches[i][1]) + 1
+            with self.cond:
+                if s.cancelled:
+                    continue
+                s.cache = [np.ascontiguousarray(g[i:i + 1, :, -keep:]) for g in grown]
+                s.mask = np.append(s.mask, 1)
+                s.position += 1
+            self._emit(s, choose_token(logits[i, -1], s.sampling, s.rng))

@@ -1,0 +1,255 @@
+"""Generation: prefill and decode programs over one set of weights, a KV cache in executor
+memory, streamed tokens, continuous batching, stop conditions, cancellation and limits, in
+process and over gRPC. Token ids are compared with transformers' generate on the same model."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from kiln import errors
+
+NEW = 64
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=256)).eval()
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(1)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=500, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                                bos_token_id=499, eos_token_id=499)).eval()
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("generate-store")
+
+
+@pytest.fixture(scope="module")
+def llama(store_dir):
+    from kiln.llm import compile_causal_lm
+    from kiln.pipeline import Pipeline
+
+    p = Pipeline(f"file://{store_dir}")
+    model = _llama()
+    return p, model, compile_causal_lm(model, p, max_context=128, max_batch=4)
+
+
+def _hf(model, prompt: list[int], new: int = NEW) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _prompt(n: int, seed: int, vocab: int = 1000) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_greedy_matches_transformers_for_64_tokens(llama):
+    """Greedy decoding is token-identical to transformers' generate(do_sample=False) for 64 new
+    tokens, for a one-token prompt (its cache padded with a masked slot) and longer ones; the
+    prefill and decode programs bind the same weight arrays (one copy in executor memory)."""
+    p, model, lm = llama
+    for n, seed in ((1, 0), (9, 1), (40, 2)):
+        prompt = _prompt(n, seed)
+        got = list(p.generate(lm, prompt, NEW))
+        assert [t for t, _ in got] == _hf(model, prompt), n
+        assert [r for _, r in got] == [""] * (NEW - 1) + ["length"]
+    batcher = p._local_executor().batcher(lm)
+    assert [id(w) for w in batcher.prefill.weights] == [id(w) for w in batcher.decode.weights]
+
+
+def test_gpt2_greedy_matches_transformers(tmp_path):
+    from kiln.llm import compile_causal_lm
+    from kiln.pipeline import Pipeline
+
+    p = Pipeline(f"file://{tmp_path / 'store'}")
+    model = _gpt2()
+    lm = compile_causal_lm(model, p, max_context=96, max_batch=2)
+    for n, seed in ((1, 3), (12, 4)):
+        prompt = _prompt(n, seed, 500)
+        assert [t for t, _ in p.generate(lm, prompt, NEW)] == _hf(model, prompt), n
+
+
+def test_sampling_is_reproducible_with_a_seed(llama):
+    """Temperature, top-k and top-p sampling: the same seed gives the same tokens, another seed
+    other tokens; top_k=1 is greedy whatever the temperature."""
+    p, model, lm = llama
+    prompt = _prompt(6, 5)
+
+    def sample(**kw):
+        return [t for t, _ in p.generate(lm, prompt, 24, **kw)]
+
+    a = sample(temperature=1.0, seed=7)
+    assert a == sample(temperature=1.0, seed=7)
+    assert a != sample(temperature=1.0, seed=8)
+    b = sample(temperature=0.8, top_k=50, top_p=0.9, seed=7)
+    assert b == sample(temperature=0.8, top_k=50, top_p=0.9, seed=7)
+    assert sample(temperature=1.5, top_k=1, seed=3) == _hf(model, prompt, 24)
+
+
+def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
+    """choose_token draws only from the k most likely tokens, and from the smallest set whose
+    probability reaches top_p; the draw follows the probabilities."""
+    import numpy as np
+
+    from executor_svc.generate import Sampling, choose_token
+
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
+    rng = np.random.default_rng(0)
+    draws = [choose_token(logits, Sampling(1.0, top_k=2), rng) for _ in range(4000)]
+    assert set(draws) == {0, 1} and abs(draws.count(0) / 4000 - 0.5 / 0.8) < 0.03
+    draws = [choose_token(logits, Sampling(1.0, top_p=0.85), rng) for _ in range(4000)]
+    assert set(draws) == {0, 1, 2}  # 0.5 + 0.3 < 0.85 <= 0.95
+    assert choose_token(logits, Sampling(), None) == 0
+
+
+def test_concurrent_requests_share_decode_steps_and_match_running_alone(llama):
+    """Four clients at once, with prompts and lengths of their own: they join and leave a shared
+    batch between decode steps (more than one sequence per step on average), and each gets the
+    tokens it gets alone."""
+    p, model, lm = llama
+    prompts = [(_prompt(n, 10 + i), new) for i, (n, new) in enumerate(((3, 40), (17, 24), (1, 33), (30, 48)))]
+    alone = [[t for t, _ in p.generate(lm, prompt, new)] for prompt, new in prompts]
+    batcher = p._local_executor().batcher(lm)
+    steps, batched = batcher.steps, batcher.batched
+    got = [None] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def client(i):
+        start.wait()
+        got[i] = [t for t, _ in p.generate(lm, *prompts[i])]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == alone
+    assert (batcher.batched - batched) / (batcher.steps - steps) > 1.5
+
+
+def test_stop_sequences_and_eos(llama):
+    """Generation stops right after a stop sequence (finish "stop") or an end-of-sequence token
+    (finish "eos", unless ignore_eos), and at max_new_tokens (finish "length")."""
+    from kiln.digest import Digest
+    from kiln.v1 import services_pb2
+
+    p, model, lm = llama
+    prompt = _prompt(5, 20)
+    full = [t for t, _ in p.generate(lm, prompt, 40)]
+    stop = tuple(full[10:12])
+    first = next(i for i in range(len(full) - 1) if tuple(full[i:i + 2]) == stop)
+    got = list(p.generate(lm, prompt, 40, stop_sequences=[stop]))
+    assert [t for t, _ in got] == full[:first + 2] and got[-1][1] == "stop"
+    # the same programs with an end-of-sequence token that the greedy output makes
+    msg = p.store.get_message(lm, services_pb2.CausalLM)
+    msg.ClearField("eos_token_ids")
+    msg.eos_token_ids.append(full[7])
+    lm_eos = p.store.put_message(msg)
+    at = full.index(full[7])
+    got = list(p.generate(lm_eos, prompt, 40))
+    assert [t for t, _ in got] == full[:at + 1] and got[-1][1] == "eos"
+    assert [t for t, _ in p.generate(lm_eos, prompt, 40, ignore_eos=True)] == full
+    assert list(p.generate(lm, prompt, 3))[-1] == (full[2], "length")
+
+
+def test_limits_are_resource_exhausted(llama, monkeypatch):
+    """Past the context (prompt plus new tokens) or the executor's concurrent sequences:
+    RESOURCE_EXHAUSTED, and the executor keeps serving. Bad requests: INVALID_ARGUMENT."""
+    from executor_svc.executor import Executor
+
+    p, model, lm = llama
+    with pytest.raises(errors.ResourceExhausted, match="context of 128"):
+        list(p.generate(lm, _prompt(100, 1), 29))
+    with pytest.raises(errors.ResourceExhausted, match="no room"):
+        list(p.generate(lm, _prompt(128, 1), 1))
+    with pytest.raises(errors.InvalidArgument, match="outside the vocabulary"):
+        list(p.generate(lm, [5, 1000], 4))
+    with pytest.raises(errors.InvalidArgument, match="temperature"):
+        list(p.generate(lm, [5], 4, temperature=-1.0))
+    monkeypatch.setenv("KILN_MAX_SEQUENCES", "2")
+    executor = Executor(p.store)  # a second executor: its own limit
+    batcher = executor.batcher(lm)
+    held = [batcher.submit(_prompt(4, i), 100) for i in range(2)]
+    with pytest.raises(errors.ResourceExhausted, match="its limit"):
+        batcher.submit(_prompt(4, 9), 4)
+    batcher.cancel(held[0])
+    assert len(list(batcher.submit(_prompt(4, 9), 4).stream())) == 4
+    batcher.cancel(held[1])
+    assert batcher.busy() == 0
+
+
+def test_a_closed_stream_frees_its_sequence_at_once(llama):
+    p, model, lm = llama
+    batcher = p._local_executor().batcher(lm)
+    stream = p.generate(lm, _prompt(8, 30), 100)
+    assert len([next(stream) for _ in range(3)]) == 3
+    assert batcher.busy() == 1
+    stream.close()
+    assert batcher.busy() == 0
+
+
+@pytest.fixture(scope="module")
+def executor_server(store_dir):
+    """A real Executor gRPC server on loopback over the module's store, and its servicer."""
+    from executor_svc.server import ExecutorServicer
+    from kiln.service import build_server
+    from kiln.store import FileStore
+
+    servicer = ExecutorServicer(FileStore(store_dir))
+    server, port = build_server([(servicer.add_to_server, servicer.SERVICE_NAME)], 0)
+    yield f"127.0.0.1:{port}", servicer
+    server.stop(0)
+
+
+def test_generate_over_grpc_streams_and_cancels(llama, executor_server):
+    """Executor.Generate over gRPC streams the same tokens as in process; a client that cancels
+    frees its slot on the server; a limit is RESOURCE_EXHAUSTED, an unknown model NOT_FOUND."""
+    from kiln.digest import Digest
+    from kiln.pipeline import Pipeline
+    from kiln.v1 import services_pb2, services_pb2_grpc
+
+    p, model, lm = llama
+    address, servicer = executor_server
+    remote = Pipeline(p.store, {"executor": address})
+    prompt = _prompt(7, 40)
+    assert list(remote.generate(lm, prompt, 20)) == list(p.generate(lm, prompt, 20))
+    stub = services_pb2_grpc.ExecutorStub(grpc.insecure_channel(address))
+    call = stub.Generate(services_pb2.GenerateRequest(model=lm.to_pb(), prompt_ids=prompt, max_new_tokens=100))
+    assert next(call).index == 0
+    call.cancel()
+    batcher = servicer.executor.batcher(lm)
+
+    def freed() -> bool:
+        deadline = time.monotonic() + 10
+        while batcher.busy() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return batcher.busy() == 0
+
+    assert freed()
+    stream = remote.generate(lm, prompt, 100)  # the client library: closing its iterator cancels the call
+    next(stream)
+    assert batcher.busy() == 1
+    stream.close()
+    assert freed()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(services_pb2.GenerateRequest(model=lm.to_pb(), prompt_ids=_prompt(100, 1),
+                                                        max_new_tokens=50)))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(errors.NotFound):
+        list(remote.generate(Digest("0" * 64, 10), [1, 2], 3))
