@@ -449,4 +449,3 @@ def test_output_reshaping_an_intermediate_is_written_in_place(local_pipeline):
     assert calls and calls[0].split("(")[1].startswith("o"), calls  # the GEMM writes an output buffer
     for got, ref in zip(compiled(x), fn(x)):
         assert got.shape == ref.shape and torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
-
