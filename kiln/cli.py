@@ -1,4 +1,4 @@
-"""The kiln command line: compile, run, serve, show, demo."""
+"""The kiln command line: compile, run, serve, show, generate, demo."""
 
 from __future__ import annotations
 
@@ -223,6 +223,43 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    """Compile a causal LM directory for generation (cached: a second call does no stage work)
+    and generate: new token ids on one line for --prompt-ids, text as it is made for --prompt."""
+    from kiln.errors import InvalidArgument
+    from kiln.llm import compile_causal_lm, load_tokenizer
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise InvalidArgument("give exactly one of --prompt TEXT and --prompt-ids 1,2,3")
+    tokenizer = None
+    if args.prompt_ids is not None:
+        try:
+            prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise InvalidArgument(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    else:
+        tokenizer = load_tokenizer(args.model)
+        prompt = tokenizer.encode(args.prompt).ids
+    p = _pipeline(args)
+    lm = compile_causal_lm(args.model, p, max_context=args.max_context, max_batch=args.max_batch)
+    stops = [[int(t) for t in s.split(",")] for s in args.stop_ids]
+    tokens = p.generate(lm, prompt, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_sequences=stops)
+    if tokenizer is None:
+        print(" ".join(str(t) for t, _ in tokens))
+        return 0
+    made = []
+    shown = ""
+    for t, _ in tokens:  # decode the whole text each time: a token may complete a character
+        made.append(t)
+        text = tokenizer.decode(made)
+        sys.stdout.write(text[len(shown):])
+        sys.stdout.flush()
+        shown = text
+    print()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kiln", description="kiln: an ahead-of-time search compiler for inference")
     ap.add_argument("--store", default=None, help="blob store URL (default $KILN_STORE or file://~/.cache/kiln)")
@@ -288,6 +325,22 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--start", action="store_true", help="also time cold and warm start: a new process loading "
                    "the bundle, from Load to its first result, with an empty and then a filled kernel cache")
     b.set_defaults(fn=cmd_bench)
+    gen = sub.add_parser("generate", help="generate from a causal LM directory (compiled for prefill and decode "
+                                          "first, cached)")
+    gen.add_argument("model", help="a directory written by save_pretrained (config.json, *.safetensors)")
+    gen.add_argument("--prompt", default=None, help="text, tokenized with the directory's tokenizer.json")
+    gen.add_argument("--prompt-ids", default=None, help="token ids, comma-separated; prints the new ids")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--greedy", action="store_true", help="argmax decoding (the same as --temperature 0)")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=0, help="sampling is reproducible for a seed")
+    gen.add_argument("--stop-ids", action="append", default=[], metavar="1,2",
+                     help="stop after this token sequence (repeatable)")
+    gen.add_argument("--max-context", type=int, default=256, help="prompt and new tokens together")
+    gen.add_argument("--max-batch", type=int, default=16, help="sequences one decode step can take")
+    gen.set_defaults(fn=cmd_generate)
     d = sub.add_parser("demo", help="compile the example encoder and compare it with torch eager")
     d.add_argument("--repeats", type=int, default=50)
     d.set_defaults(fn=cmd_demo)

@@ -81,6 +81,19 @@ def load_causal_lm(path: str | Path):
     return model
 
 
+def load_tokenizer(path: str | Path):
+    """The directory's tokenizer (tokenizer.json, through `tokenizers`: data, never code)."""
+    from tokenizers import Tokenizer
+
+    f = Path(path) / "tokenizer.json"
+    if not f.is_file():
+        raise errors.FailedPrecondition(f"{path} has no tokenizer.json; give token ids instead of text")
+    try:
+        return Tokenizer.from_file(str(f))
+    except Exception as e:  # tokenizers raises its own exception types for a broken file
+        raise errors.InvalidArgument(f"{f}: not a readable tokenizer: {e}") from e
+
+
 def compile_causal_lm(model, pipeline=None, *, max_context: int = 256, max_batch: int = 16,
                       search: bool = True, candidates: Optional[int] = None, name: str = "") -> Digest:
     """Compile a transformers causal LM (or a model directory) for Executor.Generate; returns

@@ -141,3 +141,33 @@ def test_profile_times_each_kernel(compiled_mlp):
         assert "compiled entry" in lines[-1]
     bad = kiln_cli("profile", out["bundle"], env=env, check=False)
     assert bad.returncode == 2 and "--manifest" in bad.stderr
+
+
+def test_generate_prints_new_token_ids_and_text(tmp_path):
+    """`kiln generate DIR --prompt-ids 1,2,3 --max-new-tokens N --greedy` prints the new token
+    ids on one line, those of transformers' greedy generate; with --prompt the text goes through
+    the directory's tokenizer.json, and the same tokens come out as text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=0,
+                                         eos_token_id=1, max_position_embeddings=128)).eval()
+    d = tmp_path / "tiny-llama"
+    model.save_pretrained(d)
+    words = [f"w{i}" for i in range(64)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    env = {"KILN_STORE": f"file://{tmp_path / 'store'}"}
+    args = ("generate", str(d), "--max-new-tokens", "12", "--greedy", "--max-context", "64", "--max-batch", "2")
+    out = kiln_cli(*args, "--prompt-ids", "5,6,7", env=env).stdout.strip()
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)[0, 3:]
+    assert out == " ".join(str(t) for t in want.tolist())
+    text = kiln_cli(*args, "--prompt", "w5 w6 w7", env=env).stdout.strip()
+    assert text == tok.decode(want.tolist())
+    bad = kiln_cli("generate", str(d), "--prompt-ids", "5,x", env=env, check=False)
+    assert bad.returncode == 1 and "comma-separated integers" in bad.stderr
