@@ -260,6 +260,25 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve_openai(args) -> int:
+    from kiln.openai_api import load_model, serve
+
+    p = _pipeline(args)
+    model = load_model(p, args.model, args.max_context, args.max_batch, args.name)
+    server = serve(p, model, args.port, args.host)
+    host, port = server.server_address[:2]
+    routes = "/v1/models, /v1/completions" + (", /v1/chat/completions" if model.chat_template else "")
+    print(f"serving {model.name} at http://{host}:{port}/v1 ({routes})", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    server.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kiln", description="kiln: an ahead-of-time search compiler for inference")
     ap.add_argument("--store", default=None, help="blob store URL (default $KILN_STORE or file://~/.cache/kiln)")
@@ -341,6 +360,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-context", type=int, default=256, help="prompt and new tokens together")
     gen.add_argument("--max-batch", type=int, default=16, help="sequences one decode step can take")
     gen.set_defaults(fn=cmd_generate)
+    oa = sub.add_parser("serve-openai", help="an OpenAI-compatible HTTP endpoint (/v1/completions, "
+                                             "/v1/chat/completions, /v1/models) for a causal LM directory")
+    oa.add_argument("model", help="a directory written by save_pretrained, with tokenizer.json")
+    oa.add_argument("--port", type=int, default=8000)
+    oa.add_argument("--host", default="127.0.0.1")
+    oa.add_argument("--name", default="", help="the model's id in the API (default: the directory's name)")
+    oa.add_argument("--max-context", type=int, default=256, help="prompt and new tokens together")
+    oa.add_argument("--max-batch", type=int, default=16, help="sequences one decode step can take")
+    oa.set_defaults(fn=cmd_serve_openai)
     d = sub.add_parser("demo", help="compile the example encoder and compare it with torch eager")
     d.add_argument("--repeats", type=int, default=50)
     d.set_defaults(fn=cmd_demo)

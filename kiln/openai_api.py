@@ -1,0 +1,277 @@
+"""An OpenAI-compatible HTTP endpoint in front of Executor.Generate.
+
+`kiln serve-openai DIR` compiles the model directory's causal LM (kiln/llm.py; cached) and
+serves `/v1/models`, `/v1/completions` and, when the directory's tokenizer_config.json has a
+chat template, `/v1/chat/completions`, streaming (server-sent events) or not. Text goes
+through the directory's tokenizer.json (`tokenizers`); a chat template is rendered in Jinja2's
+sandbox, so a template cannot run code. Generation runs wherever the pipeline's executor is:
+in process, or a remote Executor over gRPC.
+
+OpenAI's semantics: `max_tokens` (default 16), `temperature` (default 1; 0 is greedy),
+`top_p`, `seed`, `stop` (strings: the text ends before the first one, finish "stop"); an
+end-of-sequence token finishes with "stop", the token limit with "length". One choice per
+request (n=1). Errors come back as OpenAI's error object: 400 for a bad request, 404 for an
+unknown model or path, 429 past a limit (the executor's RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Iterator, Optional
+
+from kiln import errors
+from kiln.digest import Digest
+
+DEFAULT_MAX_TOKENS = 16
+MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass
+class Model:
+    name: str
+    digest: Digest
+    tokenizer: object
+    chat_template: Optional[str]
+    bos: str = ""
+    eos: str = ""
+
+
+def load_chat_template(path: str | Path) -> tuple[Optional[str], str, str]:
+    """(chat template or None, bos token, eos token) from tokenizer_config.json."""
+    f = Path(path) / "tokenizer_config.json"
+    if not f.is_file():
+        return None, "", ""
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise errors.InvalidArgument(f"{f}: not readable JSON: {e}") from e
+
+    def token(v) -> str:
+        return v.get("content", "") if isinstance(v, dict) else (v or "")
+
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template, token(cfg.get("bos_token")), token(cfg.get("eos_token"))
+
+
+def render_chat(model: Model, messages: list) -> str:
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise errors.InvalidArgument("messages must be a non-empty list of {role, content} objects with text content")
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(model.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                           bos_token=model.bos, eos_token=model.eos)
+    except TemplateError as e:
+        raise errors.InvalidArgument(f"the chat template refused the messages: {e}") from e
+
+
+class Completion:
+    """Text as it is made, with OpenAI's stop strings: chunks of new text, then the finish reason."""
+
+    def __init__(self, pipeline, model: Model, prompt_ids: list[int], body: dict):
+        self.model, self.prompt_tokens = model, len(prompt_ids)
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens", DEFAULT_MAX_TOKENS))
+        temperature = body.get("temperature", 1.0)
+        top_p = body.get("top_p", 1.0)
+        seed = body.get("seed", 0)
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if body.get("n", 1) != 1:
+            raise errors.InvalidArgument("n must be 1: kiln returns one choice per request")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise errors.InvalidArgument(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        for name, v in (("temperature", temperature), ("top_p", top_p)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise errors.InvalidArgument(f"{name} must be a number, got {v!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise errors.InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+            raise errors.InvalidArgument("stop must be a string or a list of up to 4 non-empty strings")
+        self.stop = stop
+        self.tokens = pipeline.generate(model.digest, prompt_ids, max_tokens, temperature=float(temperature),
+                                        top_p=float(top_p) if top_p < 1 else 0.0, seed=seed)
+        self.completion_tokens = 0
+        self.finish_reason = None
+        self.started = next(self.tokens, None)  # the request's errors (a limit) before any response
+
+    def chunks(self) -> Iterator[str]:
+        made, shown = [], ""
+        item = self.started
+        try:
+            while item is not None:
+                token, reason = item
+                self.completion_tokens += 1
+                if reason != "eos":  # the end-of-sequence token is not text
+                    made.append(token)
+                text = self.model.tokenizer.decode(made)
+                cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    if cut > len(shown):
+                        yield text[len(shown):cut]
+                    self.finish_reason = "stop"
+                    return
+                if reason:  # hold back text that may still become a stop string
+                    self.finish_reason = "length" if reason == "length" else "stop"
+                    if len(text) > len(shown):
+                        yield text[len(shown):]
+                    return
+                safe = len(text) - max((len(s) - 1 for s in self.stop), default=0)
+                if safe > len(shown):
+                    yield text[len(shown):safe]
+                    shown = text[:safe]
+                item = next(self.tokens, None)
+        finally:
+            self.tokens.close()  # a stop string or a client gone: the sequence is freed
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+_STATUS = {"INVALID_ARGUMENT": (400, "invalid_request_error"), "NOT_FOUND": (404, "not_found_error"),
+           "FAILED_PRECONDITION": (400, "invalid_request_error"), "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+           "UNAVAILABLE": (503, "server_error"), "DEADLINE_EXCEEDED": (504, "server_error")}
+
+
+def make_handler(pipeline, model: Model):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # quiet: no line per request on stderr
+            pass
+
+        def _json(self, status: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, status: int, kind: str, message: str) -> None:
+            self._json(status, {"error": {"message": message, "type": kind, "param": None, "code": None}})
+
+        def do_GET(self):
+            if self.path.rstrip("/") == "/v1/models":
+                return self._json(200, {"object": "list", "data": [
+                    {"id": model.name, "object": "model", "created": 0, "owned_by": "kiln"}]})
+            self._error(404, "not_found_error", f"no route {self.path}")
+
+        def do_POST(self):
+            route = self.path.rstrip("/")
+            if route not in ("/v1/completions", "/v1/chat/completions"):
+                return self._error(404, "not_found_error", f"no route {self.path}")
+            try:
+                length = int(self.headers.get("Content-Length", "0"))
+                if not 0 < length <= MAX_BODY_BYTES:
+                    raise errors.InvalidArgument(f"a request body of 1..{MAX_BODY_BYTES} bytes is required")
+                try:
+                    body = json.loads(self.rfile.read(length))
+                except ValueError as e:
+                    raise errors.InvalidArgument(f"the body is not JSON: {e}") from e
+                if not isinstance(body, dict):
+                    raise errors.InvalidArgument("the body must be a JSON object")
+                if body.get("model") not in (None, model.name):
+                    raise errors.NotFound(f"model {body.get('model')!r} is not served here; this server serves "
+                                          f"{model.name!r}")
+                chat = route.endswith("chat/completions")
+                if chat:
+                    if model.chat_template is None:
+                        raise errors.NotFound(f"{model.name} has no chat template: use /v1/completions")
+                    text = render_chat(model, body.get("messages"))
+                else:
+                    text = body.get("prompt")
+                    if isinstance(text, list) and len(text) == 1:
+                        text = text[0]
+                    if not isinstance(text, str) or not text:
+                        raise errors.InvalidArgument("prompt must be a non-empty string")
+                ids = model.tokenizer.encode(text, add_special_tokens=not chat).ids
+                completion = Completion(pipeline, model, ids, body)
+            except errors.KilnError as e:
+                status, kind = _STATUS.get(e.code, (500, "server_error"))
+                return self._error(status, kind, str(e))
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            try:
+                if body.get("stream"):
+                    self._stream(completion, rid, chat)
+                else:
+                    text = "".join(completion.chunks())
+                    choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                               "finish_reason": completion.finish_reason} if chat else
+                              {"index": 0, "text": text, "logprobs": None, "finish_reason": completion.finish_reason})
+                    self._json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                     "created": int(time.time()), "model": model.name, "choices": [choice],
+                                     "usage": completion.usage()})
+            except errors.KilnError as e:  # failed midway: the status line may be gone already
+                if not body.get("stream"):
+                    status, kind = _STATUS.get(e.code, (500, "server_error"))
+                    self._error(status, kind, str(e))
+
+        def _stream(self, completion: Completion, rid: str, chat: bool) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            created = int(time.time())
+
+            def event(delta: Optional[dict], text: Optional[str], finish) -> None:
+                if chat:
+                    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                    obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model.name,
+                           "choices": [choice]}
+                else:
+                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                    obj = {"id": rid, "object": "text_completion", "created": created, "model": model.name,
+                           "choices": [choice]}
+                self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
+                self.wfile.flush()
+
+            try:
+                if chat:
+                    event({"role": "assistant", "content": ""}, None, None)
+                for piece in completion.chunks():
+                    event({"content": piece}, piece, None)
+                event({}, "", completion.finish_reason)
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client left: chunks() closed its token stream, freeing the sequence
+
+    return Handler
+
+
+def load_model(pipeline, path: str | Path, max_context: int, max_batch: int, name: str = "") -> Model:
+    from kiln.llm import compile_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    template, bos, eos = load_chat_template(path)
+    digest = compile_causal_lm(path, pipeline, max_context=max_context, max_batch=max_batch, name=name)
+    return Model(name or Path(path).name, digest, tokenizer, template, bos, eos)
+
+
+def serve(pipeline, model: Model, port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    """Start serving in a background thread; returns the server (server_address, shutdown())."""
+    import threading
+
+    server = ThreadingHTTPServer((host, port), make_handler(pipeline, model))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="kiln-openai", daemon=True).start()
+    return server

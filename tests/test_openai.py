@@ -1,0 +1,109 @@
+"""The OpenAI-compatible endpoint, driven by the official `openai` client against a local
+server: models, completions and chat completions, streaming and not, stop strings, errors.
+Texts are checked against transformers' greedy generate on the same model and tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}w2{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from openai import OpenAI
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kiln.openai_api import load_model, serve
+    from kiln.pipeline import Pipeline
+
+    d = tmp_path_factory.mktemp("openai") / "tiny-chat"
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=0,
+                                         eos_token_id=63, max_position_embeddings=128)).eval()
+    model.save_pretrained(d)
+    vocab = {f"w{i}": i for i in range(60)} | {"system": 60, "user": 61, "assistant": 62, "</s>": 63}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "</s>"}))
+    p = Pipeline(f"file://{d.parent / 'store'}")
+    served = load_model(p, d, max_context=64, max_batch=4)
+    http = serve(p, served, 0)
+    client = OpenAI(base_url=f"http://127.0.0.1:{http.server_address[1]}/v1", api_key="unused", max_retries=0)
+    yield client, model, tok
+    http.shutdown()
+
+
+def _greedy_text(model, tok, text: str, new: int) -> tuple[str, list[int]]:
+    ids = torch.tensor([tok.encode(text).ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+    new_ids = [t for t in out[0, ids.shape[1]:].tolist() if t != 63]
+    return tok.decode(new_ids), new_ids
+
+
+def test_models_lists_the_served_model(server):
+    client, _, _ = server
+    assert [m.id for m in client.models.list()] == ["tiny-chat"]
+
+
+def test_completions_match_transformers_streaming_or_not(server):
+    client, model, tok = server
+    want, ids = _greedy_text(model, tok, "w5 w6 w7", 12)
+    r = client.completions.create(model="tiny-chat", prompt="w5 w6 w7", max_tokens=12, temperature=0)
+    assert r.choices[0].text == want
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == r.usage.total_tokens - 3
+    assert r.choices[0].finish_reason == ("length" if len(ids) == 12 else "stop")
+    chunks = list(client.completions.create(model="tiny-chat", prompt="w5 w6 w7", max_tokens=12, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    seeded = [client.completions.create(model="tiny-chat", prompt="w9", max_tokens=10, temperature=1.0, seed=4)
+              .choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_a_stop_string_ends_the_text_before_it(server):
+    client, model, tok = server
+    want, _ = _greedy_text(model, tok, "w11 w12", 16)
+    words = want.split()
+    stop = words[4]
+    r = client.completions.create(model="tiny-chat", prompt="w11 w12", max_tokens=16, temperature=0, stop=[stop])
+    assert r.choices[0].text == want[:want.index(stop)] and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model="tiny-chat", prompt="w11 w12", max_tokens=16, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_chat_completions_render_the_template(server):
+    client, model, tok = server
+    messages = [{"role": "system", "content": "w3 w4"}, {"role": "user", "content": "w20 w21 w22"}]
+    want, _ = _greedy_text(model, tok, "system w3 w4 user w20 w21 w22 w2", 10)
+    r = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=10, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
+    chunks = list(client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=10,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+
+
+def test_errors_are_openai_errors(server):
+    import openai
+
+    client, _, _ = server
+    with pytest.raises(openai.RateLimitError, match="context of 64"):  # RESOURCE_EXHAUSTED
+        client.completions.create(model="tiny-chat", prompt="w1 w2", max_tokens=63)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.completions.create(model="gpt-9", prompt="w1", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.completions.create(model="tiny-chat", prompt="w1", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="tiny-chat", messages=[], max_tokens=2)
+    assert client.completions.create(model="tiny-chat", prompt="w1", max_tokens=2).choices[0].text is not None
