@@ -24,7 +24,7 @@ from kiln.errors import FailedPrecondition
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import DEFAULT_ATTENTION_TILE, DEFAULT_GEMM_TILE, Graph, TensorSpec
 from kiln.ir.ops import GroupOp, Op
-from kiln.ir.shape import SYMBOL_PREFIX, Dim, contiguous_strides, numel, render_dim
+from kiln.ir.shape import SYMBOL_PREFIX, Dim, contiguous_strides, evaluate_dim, numel, render_dim
 from kiln.ir.view import ViewSpec
 from kiln.telemetry import span
 from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, compose_chain, flat_reads, gemm_axes,
@@ -38,6 +38,7 @@ EPILOGUE_ROWS = DEFAULT_GEMM_TILE  # rows of C a GEMM's epilogue works on at a t
 SMALL_B = 1 << 16
 SMALL_BLOCK_BYTES = 1 << 14
 GEMM_MIN_ROWS = 64  # the fewest rows per block of a GEMM split across the pool
+GEMM_MIN_COLUMNS = 256  # the fewest columns per block of a GEMM whose columns the pool shares
 THREADS_ARG = "nthreads"  # the pool's size: every kernel's and the entry's last argument
 ONLINE_SOFTMAX_MIN_ROW = 4096  # f32 rows up to this long (16 KB) take a softmax in two loops
 FASTMATH = "{'reassoc', 'contract'}"  # numba's LLVM flags for every kernel, see _KernelWriter.emit
@@ -191,6 +192,55 @@ def _sub_block_rows(a_cols, c_cols, b_elements) -> int:
 
 def _d(x: Dim) -> str:
     return render_dim(x)
+
+
+def _axis_runs(chain: list[ViewSpec]):
+    """A view chain (innermost first) as loops over base axes: the first view's axes, whose
+    source strides it gives, and an axis of stride 0 for each broadcast after it. Every later
+    view must permute, merge and broadcast its input's axes (each axis of it a run of its
+    input's axes, at that run's row-major stride); then each final axis is a run of base axes.
+    Returns (base sizes, base source strides, source offset, run per final axis), or None."""
+    first = chain[0]
+    if first.mask is not None:
+        return None
+    sizes, strides = list(first.shape), list(first.strides)
+    runs = [[i] for i in range(len(first.shape))]
+    prev = tuple(first.shape)
+    for v in chain[1:]:
+        if v.mask is not None or v.offset != 0:
+            return None
+        row = contiguous_strides(prev)
+        new, used = [], set()
+        for size, st in zip(v.shape, v.strides):
+            if size == 1:
+                new.append([])
+                continue
+            if st == 0:  # a broadcast: a base axis of its own that reads nothing new
+                sizes.append(size)
+                strides.append(0)
+                new.append([len(sizes) - 1])
+                continue
+            found = None
+            for e in range(len(prev)):
+                if prev[e] == 1 or row[e] != st or e in used:
+                    continue
+                for a in range(e, -1, -1):
+                    run = [m for m in range(a, e + 1) if prev[m] != 1]
+                    if used & set(run):
+                        break
+                    if numel(tuple(prev[m] for m in run)) == size:
+                        found = run
+                        break
+                if found is not None:
+                    break
+            if found is None:
+                return None
+            used |= set(found)
+            new.append([b for m in found for b in runs[m]])
+        if any(prev[m] != 1 and m not in used for m in range(len(prev))):
+            return None  # an axis dropped: a slice, not a merge
+        runs, prev = new, tuple(v.shape)
+    return sizes, strides, first.offset, runs
 
 
 def _sum(terms: list[str]) -> str:
@@ -726,7 +776,13 @@ class _KernelWriter:
         lines += la + lb
         direct = gemm_writes_rows(self.g, gi) and not r.dtype.is_half and gi == self.k.output
         out = self.g.nodes[self.k.output]
-        blocked = Bt == 1 and a_rows and (self.k.parallel or pack_rows or tile)
+        # too few rows for the pool to share at any binding (a decode step's GEMV): it shares
+        # the columns instead, each thread a block of B's rows (a weight's [N, K] rows) in cache
+        largest = {name: hi for name, _, hi in self.g.symbols}
+        columns = (self.k.parallel and Bt == 1 and not pack_rows and not tile and a_rows
+                   and b_at == "B[{bi}].T" and evaluate_dim(Mt, largest) < 2 * GEMM_MIN_ROWS
+                   and evaluate_dim(Nt, largest) >= 2 * GEMM_MIN_COLUMNS)
+        blocked = Bt == 1 and a_rows and (self.k.parallel or pack_rows or tile) and not columns
         rows = self._epilogue_rows(gi, Nt) if blocked and not direct else None
         if direct:
             lines.append(f"    C = out[0:{_d(numel(r.shape))}].reshape(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}))")
@@ -764,6 +820,14 @@ class _KernelWriter:
                 lines.append(f"            np.dot({a_blk}, {b_at.format(bi='0')}, {c_blk})")
                 if rows is not None:
                     return lines + self._epilogue_block(gi, F, b_axes, m_axes, n_axes, Nt, rows)
+        elif columns:
+            lines += [f"    nc = max(1, min({THREADS_ARG}, {_d(Nt)} // {GEMM_MIN_COLUMNS}))",
+                      "    for c in prange(nc):",
+                      f"        n0 = c * {_d(Nt)} // nc",
+                      f"        n1 = (c + 1) * {_d(Nt)} // nc",
+                      f"        cb = np.empty(({_d(Mt)}, n1 - n0), dtype={_COMPUTE[r.dtype]})",
+                      f"        np.dot({a_at.format(bi='0')}, B[0][n0:n1].T, cb)",
+                      "        C[0][:, n0:n1] = cb"]
         else:
             rng = "prange" if self.k.parallel else "range"
             lines += [f"    for bi in {rng}({_d(Bt)}):",
@@ -932,6 +996,9 @@ class _KernelWriter:
         view = self._operand_view(name, role, root, spec, b_axes, x_axes, k, F, Bt, Xt, K, dtype)
         if view is not None:
             return view
+        merged = self._pack_merged(name, role, node, b_axes, x_axes, k, F, Bt, Xt, K, dtype)
+        if merged is not None:
+            return merged
         # pack: loop over the operand's own axes (the other operand's are 0) and copy
         shape3 = (Bt, Xt, K) if role == "A" else (Bt, K, Xt)
         lines = [f"    {name} = np.empty(({', '.join(_d(x) for x in shape3)}), dtype={_COMPUTE[dtype]})"]
@@ -947,6 +1014,47 @@ class _KernelWriter:
         dst = f"{bi}, {xi}, p{k}" if role == "A" else f"{bi}, p{k}, {xi}"
         lines += self.statement("    " * depth, lambda: f"{name}[{dst}] = {self.value(node, pidx)}")
         return lines, f"{name}[{{bi}}]", True
+
+    def _pack_merged(self, name, role, node, b_axes, x_axes, k, F, Bt, Xt, K, dtype):
+        """_operand's pack in loops over the source's own axes, when the operand's views only
+        permute, merge and broadcast the axes of a strided view of a buffer (_axis_runs): a GQA
+        attention's keys, [b, kv heads, keys, d] broadcast to [b, kv heads, 2, keys, d], merged
+        to [b, heads, keys, d] and transposed. The source offset and the packed position are then
+        sums of loop indices times strides: no flat index is unravelled (a decode step's keys
+        took four unsigned divisions per element and view level). Else None."""
+        root, chain = view_root(self.g, node)
+        if root not in self.reads or not chain or self.g.nodes[root].dtype is not self.g.nodes[node].dtype:
+            return None
+        found = _axis_runs(chain)
+        if found is None:
+            return None
+        sizes, strides, offset, runs = found
+        own = set(b_axes + x_axes + [k])
+        looped = sorted({m for j in own for m in runs[j]})
+        if any(strides[m] != 0 for j in range(len(runs)) if j not in own for m in runs[j]):
+            return None  # it varies along the other operand's axes: no GEMM operand
+        if any(sizes[m] != 1 and strides[m] != 0 and m not in looped for m in range(len(sizes))):
+            return None
+        shape3 = (Bt, Xt, K) if role == "A" else (Bt, K, Xt)
+        lines = [f"    {name} = np.empty(({', '.join(_d(x) for x in shape3)}), dtype={_COMPUTE[dtype]})"]
+        looped = [m for m in looped if sizes[m] != 1]
+        # the pool takes the first loop of a known size (a batch of one sequence would leave it idle)
+        pool = next((m for m in looped if isinstance(sizes[m], int)), looped[0] if looped else None)
+        depth = 1
+        for m in looped:
+            rng = "prange" if self.k.parallel and m == pool else "range"
+            lines.append("    " * depth + f"for q{m} in {rng}({_d(sizes[m])}):")
+            depth += 1
+        pidx = ["0"] * len(F)
+        for j in own:  # the operand's index along axis j, from its run of base axes
+            members = [m for m in runs[j] if sizes[m] != 1]
+            st = contiguous_strides(tuple(sizes[m] for m in members))
+            pidx[j] = _sum([_scaled(f"q{m}", c) for m, c in zip(members, st)])
+        bi, xi = self._linear(pidx, b_axes, F), self._linear(pidx, x_axes, F)
+        dst = f"{bi}, {xi}, {pidx[k]}" if role == "A" else f"{bi}, {pidx[k]}, {xi}"
+        src = _sum([_d(offset)] + [_scaled(f"q{m}", strides[m]) for m in looped])
+        value = self.load(self.g.nodes[root].dtype, _at(self.reads[root], src))
+        return lines + ["    " * depth + f"{name}[{dst}] = {value}"], f"{name}[{{bi}}]", True
 
     def emit_gather(self):
         n = self.g.nodes[self.k.output]

@@ -29,6 +29,7 @@ from kiln.telemetry import child_span
 
 MIN_PAST = 2  # kiln/llm.py: the decode program's cache holds at least two slots
 FINISH_LENGTH, FINISH_EOS, FINISH_STOP = "length", "eos", "stop"
+CANCELLED = object()  # ends a cancelled sequence's stream
 
 
 def max_sequences_setting(default: int) -> int:
@@ -99,9 +100,12 @@ class Sequence:
         self.rng = np.random.default_rng(self.sampling.seed) if self.sampling.temperature > 0 else None
 
     def stream(self) -> Iterator[tuple[int, int, str]]:
-        """(token, index, finish reason or "") as they are made; raises what the model raised."""
+        """(token, index, finish reason or "") as they are made; raises what the model raised;
+        ends when the sequence is cancelled (so a server thread reading it is let go)."""
         while True:
             item = self.out.get()
+            if item is CANCELLED:
+                return
             if isinstance(item, BaseException):
                 raise item
             yield item
@@ -157,8 +161,10 @@ class Batcher:
         return seq
 
     def cancel(self, seq: Sequence) -> None:
-        """The client went away: free the sequence's slot and cache now."""
+        """The client went away: free the sequence's slot and cache now, and end its stream."""
         with self.cond:
+            if not seq.cancelled:
+                seq.out.put(CANCELLED)
             seq.cancelled = True
             if seq in self.pending:
                 self.pending.remove(seq)
@@ -243,8 +249,7 @@ class Batcher:
         width = max(MIN_PAST, max(len(m) for _, m in caches))
         ids = np.array([[s.generated[-1]] for s in seqs], dtype=np.int64)
         pos = np.array([[s.position] for s in seqs], dtype=np.int64)
-        mask = np.zeros((b, width + 1), dtype=np.int64)
-        mask[:, -1] = 1
+        mask = np.zeros((b, width), dtype=np.int64)
         stacked = []
         for layer in range(len(caches[0][0])):
             first = caches[0][0][layer]
@@ -253,7 +258,7 @@ class Batcher:
                 buf[i, :, width - len(m):] = c[layer][0]
             stacked.append(buf)
         for i, (_, m) in enumerate(caches):
-            mask[i, width - len(m):width] = m
+            mask[i, width - len(m):] = m
         with child_span("executor.decode_step", **{"kiln.batch": b, "kiln.cache_len": width}):
             outs = self.run(self.decode, [("", ids), ("", pos), ("", mask)] + [("", c) for c in stacked])
         self.steps += 1

@@ -17,6 +17,7 @@ from kiln.ir import view as views
 from kiln.ir.builder import GraphBuilder, NodeId
 from kiln.ir.dtypes import DType
 from kiln.ir.ops import Op
+from kiln.errors import FailedPrecondition
 from kiln.ir.shape import Sym
 
 aten = torch.ops.aten
@@ -850,3 +851,64 @@ def lower_dim_floordiv(b, node, x, y):
     from kiln.ir.shape import dim_floordiv
 
     return dim_floordiv(x, y)
+
+
+def _dim_order(x, y) -> int:
+    """-1 when dim x <= y for every binding, 1 when x >= y, else 0. Dims are polynomials over
+    symbols that are never negative: x - y with no positive coefficient is never above zero."""
+    from kiln.ir.shape import _terms
+
+    coeffs = [c for _, c in _terms(x - y)]
+    if all(c <= 0 for c in coeffs):
+        return -1
+    if all(c >= 0 for c in coeffs):
+        return 1
+    return 0
+
+
+@register_lowering(torch.sym_min)
+def lower_dim_min(b, node, x, y):
+    order = _dim_order(x, y)
+    if order == 0:
+        raise FailedPrecondition(f"min({x}, {y}) of dynamic dims depends on their values; kiln needs the "
+                                 "smaller one known for every binding")
+    return x if order < 0 else y
+
+
+@register_lowering(torch.sym_max)
+def lower_dim_max(b, node, x, y):
+    order = _dim_order(x, y)
+    if order == 0:
+        raise FailedPrecondition(f"max({x}, {y}) of dynamic dims depends on their values; kiln needs the "
+                                 "larger one known for every binding")
+    return y if order < 0 else x
+
+
+def _dim_compare(op: str, x, y):
+    """A comparison of dims, as a Python bool where it holds or fails for every binding, else
+    None (only run-time asserts, which the executor's shape checks stand in for, take such a
+    value). With symbols never negative, x - y = c + (terms all of one sign) is bounded by c."""
+    from kiln.ir.shape import _terms
+
+    diff = x - y
+    terms = _terms(diff)
+    c = next((v for m, v in terms if m == ()), 0)
+    rest = [v for m, v in terms if m != ()]
+    lo = c if all(v >= 0 for v in rest) else None   # diff >= lo everywhere
+    hi = c if all(v <= 0 for v in rest) else None   # diff <= hi everywhere
+    always = {"le": hi is not None and hi <= 0, "lt": hi is not None and hi < 0,
+              "ge": lo is not None and lo >= 0, "gt": lo is not None and lo > 0}
+    never = {"le": lo is not None and lo > 0, "lt": lo is not None and lo >= 0,
+             "ge": hi is not None and hi < 0, "gt": hi is not None and hi <= 0}
+    if op in always:
+        return True if always[op] else False if never[op] else None
+    if not terms:
+        return op == "eq"
+    if (lo is not None and lo > 0) or (hi is not None and hi < 0):
+        return op == "ne"
+    return None
+
+
+for _name in ("eq", "ne", "le", "ge", "lt", "gt"):
+    register_lowering(getattr(operator, _name))(
+        lambda b, node, x, y, _op=_name: _dim_compare(_op, x, y))

@@ -3,8 +3,8 @@
 A transformers causal LM (a Hugging Face model directory, or the module itself) is exported
 twice. Prefill takes a prompt (token ids, positions, attention mask; one sequence) and returns
 the last position's logits and every layer's keys and values. Decode takes one token per
-sequence of a batch, with its position, its attention mask over the cache and the new token,
-and the cache so far (each layer's keys and values, [batch, kv heads, past, head dim], `past`
+sequence of a batch, with its position, its attention mask over the cache (the new token is
+always attended), and the cache so far (each layer's keys and values, [batch, kv heads, past, head dim], `past`
 symbolic), and returns the logits and the grown cache. Both import to graphs that name the
 same weights, so their manifests point at the same blobs. The executor owns the cache between
 steps (executor_svc/generate.py); a CausalLM message ties the two compiled programs together.
@@ -59,11 +59,13 @@ def _wrappers(model):
             super().__init__()
             self.model = model
 
-        def forward(self, input_ids, position_ids, attention_mask, cache):
+        def forward(self, input_ids, position_ids, past_mask, cache):
             past = DynamicCache()
             for i in range(layers):
                 past.update(cache[2 * i], cache[2 * i + 1], i)
-            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+            # the mask over the cache, and the new token (always attended)
+            mask = torch.cat([past_mask, torch.ones_like(input_ids)], dim=1)
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                              past_key_values=past, use_cache=True)
             return (out.logits, *_cache_tensors(out.past_key_values))
 
@@ -128,11 +130,13 @@ def compile_causal_lm(model, pipeline=None, *, max_context: int = 256, max_batch
         cache = tuple(t.expand(2, *t.shape[1:]).contiguous() for t in prefill(ids, pos, torch.ones_like(ids))[1:])
         # (an example batch at the dim's maximum leaves export with a symbol per input: keep it below)
         batch = Dim("batch", min=1, max=max(max_batch, 3))
-        past = max_context - 1
-        ep_decode = _export(decode, (ids[:, :2].reshape(2, 1), torch.full((2, 1), 8), torch.ones(2, 9, dtype=torch.long),
+        # one `past` for every layer's keys and values, the mask one longer: kernels see that
+        # they agree (export proves 32 + 32·past <= 64 + 64·past only as a run-time assert)
+        past = Dim("past", min=MIN_PAST, max=max_context - 1)
+        ep_decode = _export(decode, (ids[:, :2].reshape(2, 1), torch.full((2, 1), 8), torch.ones(2, 8, dtype=torch.long),
                                      cache),
-                            ({0: batch}, {0: batch}, {0: batch, 1: Dim.AUTO(min=MIN_PAST + 1, max=past + 1)},
-                             tuple({0: batch, 2: Dim.AUTO(min=MIN_PAST, max=past)} for _ in cache)))
+                            ({0: batch}, {0: batch}, {0: batch, 1: past}, tuple({0: batch, 2: past} for _ in cache)),
+                            deferred_asserts=True)
     batch_dim = next(n for n in ep_decode.graph.nodes if n.op == "placeholder"
                      and n.name.endswith("input_ids")).meta["val"].shape[0]
     if not isinstance(batch_dim, torch.SymInt):
@@ -149,11 +153,12 @@ def compile_causal_lm(model, pipeline=None, *, max_context: int = 256, max_batch
     return pipeline.store.put_message(lm)
 
 
-def _export(module, args, dynamic_shapes):
+def _export(module, args, dynamic_shapes, deferred_asserts: bool = False):
     import torch
 
     try:
-        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
+        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes,
+                                   prefer_deferred_runtime_asserts_over_guards=deferred_asserts)
     except Exception as e:
         raise errors.FailedPrecondition(f"torch.export of {type(module).__name__.lower()} failed: "
                                         f"{type(e).__name__}: {e}") from e

@@ -1,5 +1,7 @@
 """Dynamic shapes: one compiled bundle serves every batch and sequence length in range."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -8,6 +10,7 @@ from torch.export import Dim
 import kiln
 from kiln.errors import InvalidArgument
 from kiln.examples import encoder_example, mlp_example
+from modules import Fn
 
 
 def test_encoder_with_symbolic_batch_and_seq(local_pipeline):
@@ -89,3 +92,52 @@ def test_llama_decode_step_with_a_symbolic_past(local_pipeline):
             for g, w in zip(got, want):
                 assert torch.allclose(g, w, rtol=1e-4, atol=1e-5), (past, (g - w).abs().max())
     assert compiled.result.bundle == bundle
+
+
+def test_comparisons_and_min_of_dims_decided_for_every_binding():
+    """Dims compared (export's run-time asserts) or taken min/max of (a causal mask's length)
+    lower to what holds for every binding, symbols being never negative; what depends on the
+    binding is None for a comparison and an error for a min."""
+    from importer_svc.lowerings import _dim_compare, lower_dim_min
+    from kiln.errors import FailedPrecondition
+    from kiln.ir.shape import Sym
+
+    p = Sym.named("past")
+    table = {("le", 32 + 32 * p, 64 + 64 * p): True, ("gt", 32 + 32 * p, 64 + 64 * p): False,
+             ("eq", p + 1, p + 1): True, ("ne", p + 1, p): True, ("lt", p, p + 1): True,
+             ("ge", p, 3): None, ("eq", p, 3): None, ("lt", 2, 3): True}
+    for (op, x, y), want in table.items():
+        assert _dim_compare(op, x, y) is want, (op, x, y)
+    assert lower_dim_min(None, None, 64 + 64 * p, 32 + 32 * p) == 32 + 32 * p
+    with pytest.raises(FailedPrecondition, match="depends on their values"):
+        lower_dim_min(None, None, p, 3)
+
+
+def test_a_gqa_attention_and_a_few_rows_gemm_over_symbolic_dims(local_pipeline):
+    """Keys and values of 2 heads read by 4 query heads (broadcast, merged, transposed views over
+    a cache of symbolic length) are packed in the source's own loops, with no index unravelled;
+    a GEMM with at most 8 rows (a decode step's batch) shares its columns across the pool.
+    Both match torch for every length and batch."""
+    w = torch.randn(512, 64)
+
+    def fn(q, k, v, x):
+        k4 = k[:, :, None].expand(-1, -1, 2, -1, -1).reshape(k.shape[0], 4, k.shape[2], 16)
+        v4 = v[:, :, None].expand(-1, -1, 2, -1, -1).reshape(v.shape[0], 4, v.shape[2], 16)
+        att = torch.softmax(q @ k4.transpose(-1, -2) * 0.25, dim=-1) @ v4
+        return att, torch.relu(x @ w.t())
+
+    past, batch = Dim("past", min=2, max=64), Dim("batch", min=1, max=8)
+    args = (torch.randn(1, 4, 1, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(3, 64))
+    compiled = kiln.compile(Fn(fn), args, pipeline=local_pipeline,
+                            dynamic_shapes={"xs": (None, {2: past}, {2: past}, {0: batch})})
+    from kiln.v1 import ir_pb2
+
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+    sources = "\n".join(k.source for k in bundle.kernels)
+    # the keys' and values' two heads (q1), each read twice (q2), in the source's loops
+    assert re.search(r"for q1 in p?range\(2\):\n\s+for q2 in range\(2\):", sources), sources
+    assert "np.dot(A[0], B[0][n0:n1].T, cb)" in sources, sources
+    for n, b in ((2, 1), (9, 3), (64, 8)):
+        args = (torch.randn(1, 4, 1, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16), torch.randn(b, 64))
+        for got, want in zip(compiled(*args), fn(*args)):
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (n, b, (got - want).abs().max())
