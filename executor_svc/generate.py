@@ -197,7 +197,7 @@ class Batcher:
         try:
             step(seqs)
         except Exception as e:  # noqa: BLE001 - the model failed: these requests get the error
-            err = e if isinstance(e, KilnError) else InvalidArgument(f"generation failed: {type(e).__name__}: {e}")
+            err = e if isinstance(e, KilnError) else KilnError(f"generation failed: {type(e).__name__}: {e}")
             for s in seqs:
                 self._finish(s, err)
 
