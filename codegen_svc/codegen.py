@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from kiln import cache
 from kiln.digest import Digest
 from kiln.errors import FailedPrecondition, InvalidArgument
@@ -16,46 +18,47 @@ STAGE_VERSION = "codegen-1-" + cache.code_version("codegen_svc", "kiln.ir")
 TARGETS = ("cpu",)
 
 
-def emit(store: BlobStore, kg_d: Digest, target: str = "cpu") -> tuple[Digest, int, int]:
+def emit(store: BlobStore, kg_d: Digest, target: str = "cpu", deadline: Optional[float] = None
+         ) -> tuple[Digest, int, int]:
     """Returns (bundle digest, kernel count, peak bytes)."""
     target = target or "cpu"
     if target not in TARGETS:
         raise FailedPrecondition(f"unknown target {target!r}; this codegen emits for {', '.join(TARGETS)}")
     key = cache.action_key("emit", STAGE_VERSION, {"kernel_graph": kg_d}, {"target": target})
-    hit = cache.lookup(store, key)
-    if hit is not None:
-        b = store.get_message(hit["bundle"], ir_pb2.Bundle)
-        return hit["bundle"], len(b.kernels), b.memory.peak_bytes
-    try:
-        kg = kernel_graph_from_pb(store.get_message(kg_d, ir_pb2.KernelGraph))
-    except ValueError as e:
-        raise InvalidArgument(f"kernel graph {kg_d} is malformed: {e}") from e
-    with span("codegen.emit", **{"kiln.kernel_graph": str(kg_d), "kiln.target": target}) as s:
-        prog = emit_cpu(kg)
-        s.set_attribute("kiln.kernels", len(prog.kernels))
-    g = kg.graph
-    bundle = ir_pb2.Bundle(target=target, module_source=prog.module_source, entry=prog.entry,
-                           kernel_graph=kg_d.to_pb(), output_tree=g.output_tree,
-                           output_names=list(g.output_names))
-    for k in prog.kernels:
-        bundle.kernels.add(name=k.name, kind=k.kind, source=k.source, symbol=k.symbol)
-    for t in g.inputs:
-        tensor_spec_to_pb(t, bundle.inputs.add())
-    for t in prog.outputs:
-        tensor_spec_to_pb(t, bundle.outputs.add())
-    for t in g.weights:
-        tensor_spec_to_pb(t, bundle.weights.add())
-    bundle.weight_names.extend(t.name for t in g.weights)
-    for name, lo, hi in g.symbols:
-        bundle.symbols.add(name=name, min=lo, max=hi)
-    if kg.prepare is not None:
-        bundle.prepare.CopyFrom(graph_to_pb(kg.prepare))
-    for slot in prog.memory.slots:
-        p = bundle.memory.slots.add(slot=slot.slot, dtype=dtype_to_pb(slot.dtype))
-        dim_to_pb(slot.elements, p.elements)
-    for node, slot in prog.memory.node_slot.items():
-        bundle.memory.node_slot[node] = slot
-    bundle.memory.peak_bytes = prog.memory.peak_bytes
-    d = store.put_message(bundle)
-    cache.record(store, key, {"bundle": d})
-    return d, len(prog.kernels), prog.memory.peak_bytes
+    with cache.flight(store, key, deadline) as hit:  # one replica does it; the others wait
+        if hit is not None:
+            b = store.get_message(hit["bundle"], ir_pb2.Bundle)
+            return hit["bundle"], len(b.kernels), b.memory.peak_bytes
+        try:
+            kg = kernel_graph_from_pb(store.get_message(kg_d, ir_pb2.KernelGraph))
+        except ValueError as e:
+            raise InvalidArgument(f"kernel graph {kg_d} is malformed: {e}") from e
+        with span("codegen.emit", **{"kiln.kernel_graph": str(kg_d), "kiln.target": target}) as s:
+            prog = emit_cpu(kg)
+            s.set_attribute("kiln.kernels", len(prog.kernels))
+        g = kg.graph
+        bundle = ir_pb2.Bundle(target=target, module_source=prog.module_source, entry=prog.entry,
+                               kernel_graph=kg_d.to_pb(), output_tree=g.output_tree,
+                               output_names=list(g.output_names))
+        for k in prog.kernels:
+            bundle.kernels.add(name=k.name, kind=k.kind, source=k.source, symbol=k.symbol)
+        for t in g.inputs:
+            tensor_spec_to_pb(t, bundle.inputs.add())
+        for t in prog.outputs:
+            tensor_spec_to_pb(t, bundle.outputs.add())
+        for t in g.weights:
+            tensor_spec_to_pb(t, bundle.weights.add())
+        bundle.weight_names.extend(t.name for t in g.weights)
+        for name, lo, hi in g.symbols:
+            bundle.symbols.add(name=name, min=lo, max=hi)
+        if kg.prepare is not None:
+            bundle.prepare.CopyFrom(graph_to_pb(kg.prepare))
+        for slot in prog.memory.slots:
+            p = bundle.memory.slots.add(slot=slot.slot, dtype=dtype_to_pb(slot.dtype))
+            dim_to_pb(slot.elements, p.elements)
+        for node, slot in prog.memory.node_slot.items():
+            bundle.memory.node_slot[node] = slot
+        bundle.memory.peak_bytes = prog.memory.peak_bytes
+        d = store.put_message(bundle)
+        cache.record(store, key, {"bundle": d})
+        return d, len(prog.kernels), prog.memory.peak_bytes

@@ -1,7 +1,7 @@
 """Codegen gRPC servicer: decode, call codegen.emit, encode."""
 
 from kiln.digest import Digest
-from kiln.service import rpc
+from kiln.service import deadline_of, rpc
 from kiln.telemetry import span
 from kiln.v1 import services_pb2, services_pb2_grpc
 from codegen_svc.codegen import emit
@@ -19,5 +19,5 @@ class CodegenServicer(services_pb2_grpc.CodegenServicer):
     @rpc
     def Emit(self, request, context):
         with span("codegen.Emit"):
-            d, n, peak = emit(self.store, Digest.from_pb(request.kernel_graph), request.target)
+            d, n, peak = emit(self.store, Digest.from_pb(request.kernel_graph), request.target, deadline_of(context))
         return services_pb2.EmitResponse(bundle=d.to_pb(), kernels=n, peak_bytes=peak)

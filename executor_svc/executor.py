@@ -164,6 +164,24 @@ def prepare_weights(bundle, read) -> dict[str, np.ndarray]:
     return dict(zip(prepare.output_names, outs))
 
 
+def session_id(bundle: Digest, manifest: Digest) -> str:
+    """A session id names what it runs (so any executor replica can serve it, loading the
+    bundle and weights from the store on first use) plus a nonce (so two Loads are two sessions)."""
+    return f"{bundle.hash}-{bundle.size_bytes}-{manifest.hash}-{manifest.size_bytes}-{uuid.uuid4().hex[:16]}"
+
+
+def parse_session_id(sid: str) -> Optional[tuple[Digest, Digest]]:
+    parts = sid.split("-")
+    if len(parts) != 5 or not all(len(parts[i]) == 64 for i in (0, 2)):
+        return None
+    try:
+        if not all(c in "0123456789abcdef" for c in parts[0] + parts[2]):
+            return None
+        return Digest(parts[0], int(parts[1])), Digest(parts[2], int(parts[3]))
+    except ValueError:
+        return None
+
+
 class Executor:
     def __init__(self, store: BlobStore):
         self.store = store
@@ -175,7 +193,7 @@ class Executor:
         self._weights: "weakref.WeakValueDictionary[str, np.ndarray]" = weakref.WeakValueDictionary()
         self._batchers: dict[Digest, object] = {}
 
-    def open(self, bundle_d: Digest, manifest_d: Digest) -> Session:
+    def open(self, bundle_d: Digest, manifest_d: Digest, sid: Optional[str] = None) -> Session:
         """A session for the bundle with its weights bound, not yet registered."""
         with span("executor.load", **{"kiln.bundle": str(bundle_d), "kiln.manifest": str(manifest_d)}):
             bundle = self.store.get_message(bundle_d, ir_pb2.Bundle)
@@ -220,7 +238,7 @@ class Executor:
                 else:
                     weights.append(bound(spec))
             mod = load_bundle_module(bundle_d, bundle)
-            return Session(uuid.uuid4().hex, bundle_d, getattr(mod, bundle.entry),
+            return Session(sid or session_id(bundle_d, manifest_d), bundle_d, getattr(mod, bundle.entry),
                            tuple(tensor_spec_from_pb(t) for t in bundle.inputs),
                            tuple(tensor_spec_from_pb(t) for t in bundle.outputs),
                            tuple(weights), threading.Lock(),
@@ -228,20 +246,32 @@ class Executor:
 
     def load(self, bundle_d: Digest, manifest_d: Digest) -> str:
         s = self.open(bundle_d, manifest_d)
+        self.register(s)
+        return s.id
+
+    def register(self, s: Session) -> None:
         with self._lock:
             while len(self.sessions) >= MAX_SESSIONS:
                 # evict the least recently used; its client gets NOT_FOUND and loads again
                 self.sessions.pop(next(iter(self.sessions)))
             self.sessions[s.id] = s
-        return s.id
 
     def session(self, sid: str) -> Session:
         with self._lock:
             s = self.sessions.pop(sid, None)
-            if s is None:
-                raise NotFound(f"no session {sid!r} on this executor (it was evicted or the executor restarted); "
-                               "Load the bundle again")
-            self.sessions[sid] = s  # most recently used last
+            if s is not None:
+                self.sessions[sid] = s  # most recently used last
+                return s
+        # loaded on another replica, evicted here, or from before a restart: the id names its
+        # bundle and weights, so this executor loads them from the store under the same id
+        parsed = parse_session_id(sid)
+        if parsed is None:
+            raise NotFound(f"no session {sid!r}: not an id that Executor.Load gave")
+        try:
+            s = self.open(*parsed, sid=sid)
+        except NotFound as e:
+            raise NotFound(f"session {sid!r} cannot be loaded here: {e}") from e
+        self.register(s)
         return s
 
     def run(self, sid: str, inputs: Sequence[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:

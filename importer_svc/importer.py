@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -204,24 +205,24 @@ def _check_meta(b: GraphBuilder, node, result) -> None:
                                  f"torch says {v.dtype}{format_shape(want)}")
 
 
-def import_program(store: BlobStore, program: Digest) -> ImportResult:
+def import_program(store: BlobStore, program: Digest, deadline: Optional[float] = None) -> ImportResult:
     key = cache.action_key("import", STAGE_VERSION, {"program": program}, {})
-    hit = cache.lookup(store, key)
-    if hit is not None:
-        g = store.get_message(hit["graph"], ir_pb2.Graph)
-        return ImportResult(hit["graph"], hit["manifest"], len(g.nodes))
-    with span("importer.load", **{"kiln.program": str(program)}):
-        data = store.get(program)
-        ep = load_program(data)
-    with span("importer.lower"):
-        graph, tensors = lower_program(ep)
-    with span("importer.upload_weights", **{"kiln.weights": len(tensors)}):
-        manifest = ir_pb2.WeightManifest()
-        for w in graph.weights:
-            t = tensors[w.name]
-            d = store.put(_tensor_bytes(t))
-            manifest.weights.add(name=w.name, dtype=dtype_to_pb(w.dtype), shape=list(t.shape), digest=d.to_pb())
-        manifest_d = store.put_message(manifest)
-    graph_d = store.put_message(graph_to_pb(graph))
-    cache.record(store, key, {"graph": graph_d, "manifest": manifest_d})
-    return ImportResult(graph_d, manifest_d, len(graph.nodes))
+    with cache.flight(store, key, deadline) as hit:  # one replica does it; the others wait
+        if hit is not None:
+            g = store.get_message(hit["graph"], ir_pb2.Graph)
+            return ImportResult(hit["graph"], hit["manifest"], len(g.nodes))
+        with span("importer.load", **{"kiln.program": str(program)}):
+            data = store.get(program)
+            ep = load_program(data)
+        with span("importer.lower"):
+            graph, tensors = lower_program(ep)
+        with span("importer.upload_weights", **{"kiln.weights": len(tensors)}):
+            manifest = ir_pb2.WeightManifest()
+            for w in graph.weights:
+                t = tensors[w.name]
+                d = store.put(_tensor_bytes(t))
+                manifest.weights.add(name=w.name, dtype=dtype_to_pb(w.dtype), shape=list(t.shape), digest=d.to_pb())
+            manifest_d = store.put_message(manifest)
+        graph_d = store.put_message(graph_to_pb(graph))
+        cache.record(store, key, {"graph": graph_d, "manifest": manifest_d})
+        return ImportResult(graph_d, manifest_d, len(graph.nodes))

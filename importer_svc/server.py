@@ -1,7 +1,7 @@
 """Importer gRPC servicer: decode, call importer.import_program, encode."""
 
 from kiln.digest import Digest
-from kiln.service import rpc
+from kiln.service import deadline_of, rpc
 from kiln.telemetry import span
 from kiln.v1 import services_pb2, services_pb2_grpc
 from importer_svc.importer import import_program
@@ -19,6 +19,6 @@ class ImporterServicer(services_pb2_grpc.ImporterServicer):
     @rpc
     def Import(self, request, context):
         with span("importer.Import"):
-            r = import_program(self.store, Digest.from_pb(request.program))
+            r = import_program(self.store, Digest.from_pb(request.program), deadline_of(context))
         return services_pb2.ImportResponse(graph=r.graph.to_pb(), manifest=r.manifest.to_pb(),
                                            node_count=r.node_count)

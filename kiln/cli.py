@@ -147,6 +147,25 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_farm(args) -> int:
+    from kiln import farm
+
+    if args.action == "down":
+        n = farm.down(args.dir)
+        print(f"farm in {args.dir}: stopped {n} processes", file=sys.stderr)
+        return 0
+    env = dict(os.environ)
+    if args.store:
+        env["KILN_STORE"] = args.store
+    f = farm.up({s: getattr(args, s) for s in farm.STAGES}, args.dir, env)
+    for r in f.replicas:
+        print(f"# {r.stage}[{r.index}] pid {r.pid} at {r.address}, log {f.dir / 'logs' / f'{r.stage}-{r.index}.log'}",
+              file=sys.stderr)
+    for k, v in f.client_env().items():
+        print(f"{k}={v}")
+    return 0
+
+
 def cmd_show(args) -> int:
     from kiln.digest import Digest
     from kiln.show import show
@@ -323,6 +342,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=int(os.environ.get("KILN_PORT", "50051")))
     s.add_argument("--host", default="127.0.0.1")
     s.set_defaults(fn=cmd_serve)
+    fa = sub.add_parser("farm", help="start (up) or stop (down) a local farm of server processes over one S3 store; "
+                                     "up prints the KILN_* settings that point a client at it")
+    fa.add_argument("action", choices=["up", "down"])
+    for st, n in (("importer", 1), ("optimizer", 1), ("codegen", 1), ("executor", 1)):
+        fa.add_argument(f"--{st}", type=int, default=n, help=f"{st} replicas (default {n})")
+    fa.add_argument("--dir", default=os.environ.get("KILN_FARM_DIR", "~/.cache/kiln/farm"),
+                    help="where the farm keeps its state, logs and S3 data (default $KILN_FARM_DIR or "
+                         "~/.cache/kiln/farm)")
+    fa.set_defaults(fn=cmd_farm)
     sh = sub.add_parser("show", help="print a graph, kernel graph, bundle or manifest by digest")
     sh.add_argument("digest")
     sh.set_defaults(fn=cmd_show)

@@ -1,8 +1,9 @@
 """kiln.Pipeline drives the four stages, in process (default) or over gRPC.
 
 Remote mode is chosen per stage by KILN_<STAGE>_ADDR (comma-separated for several replicas,
-balanced round-robin) or by the addresses passed in. Both modes raise the same KilnError
-types, so callers and tests do not care which one runs.
+balanced round-robin, or one DNS name such as dns:///kiln-optimizer:50052) or by the addresses
+passed in. A remote call that fails with UNAVAILABLE is retried with backoff inside its deadline.
+Both modes raise the same KilnError types, so callers and tests do not care which one runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from kiln import cache, errors
+from kiln.client import channel as _channel, call as _call, kiln_error as _kiln_error, retrying as _retrying
 from kiln.digest import Digest
 from kiln.store import BlobStore, open_store
 from kiln.telemetry import child_span, setup_tracing, span
@@ -51,40 +53,30 @@ class CompileResult:
     peak_bytes: int
 
 
-def _channel(addresses: str):
-    import grpc
-
-    from kiln.service import MAX_MESSAGE_BYTES
-    from kiln.telemetry import instrument_channel
-
-    addrs = [a.strip() for a in addresses.split(",") if a.strip()]
-    target = addrs[0] if len(addrs) == 1 else "ipv4:" + ",".join(addrs)
-    ch = grpc.insecure_channel(target, options=[("grpc.lb_policy_name", "round_robin"),
-                                                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-    return instrument_channel(ch)
-
-
-def _call(method, request, timeout: Optional[float]):
-    import grpc
-
-    try:
-        return method(request, timeout=timeout)
-    except grpc.RpcError as e:
-        cls = errors.BY_CODE.get(e.code().name, errors.KilnError)
-        raise cls(e.details()) from None
-
-
 def _stream(method, request, timeout: Optional[float]):
+    """A server stream; a failure before its first message is retried like a unary call."""
     import grpc
 
-    call = method(request, timeout=timeout)
+    def first(remaining):
+        call = method(request, timeout=remaining)
+        it = iter(call)
+        try:
+            return call, it, next(it)
+        except StopIteration:
+            return call, it, None
+        except BaseException:
+            (call.cancel if hasattr(call, "cancel") else call.close)()
+            raise
+
+    call, it, head = _retrying(first, timeout)
     try:
-        for r in call:
+        if head is None:
+            return
+        yield head.token_id, head.finish_reason
+        for r in it:
             yield r.token_id, r.finish_reason
     except grpc.RpcError as e:
-        cls = errors.BY_CODE.get(e.code().name, errors.KilnError)
-        raise cls(e.details()) from None
+        raise _kiln_error(e) from None
     finally:  # a caller that stops early frees the sequence on the executor: the call is cancelled
         # (the tracing interceptor hands back a generator over it; closing that drops the last
         # reference to the call, which cancels it)

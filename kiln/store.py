@@ -33,6 +33,13 @@ class BlobStore(ABC):
     @abstractmethod
     def _has(self, key: str) -> bool: ...
 
+    @abstractmethod
+    def _create(self, key: str, data: bytes) -> bool:
+        """Write `key` only if it does not exist, atomically; False if it did."""
+
+    @abstractmethod
+    def _delete(self, key: str) -> None: ...
+
     @staticmethod
     def blob_key(d: Digest) -> str:
         return f"cas/sha256/{d.hash}"
@@ -80,6 +87,19 @@ class BlobStore(ABC):
     def put_action(self, key: str, result: Digest) -> None:
         self._write(f"ac/{key}", str(result).encode())
 
+    # leases (kiln.cache.flight): small mutable records under lease/, never blobs
+    def create_lease(self, name: str, data: bytes) -> bool:
+        return self._create(f"lease/{name}", data)
+
+    def write_lease(self, name: str, data: bytes) -> None:
+        self._write(f"lease/{name}", data)
+
+    def read_lease(self, name: str) -> Optional[bytes]:
+        return self._read(f"lease/{name}")
+
+    def delete_lease(self, name: str) -> None:
+        self._delete(f"lease/{name}")
+
 
 class FileStore(BlobStore):
     def __init__(self, root: str | os.PathLike):
@@ -116,6 +136,23 @@ class FileStore(BlobStore):
 
     def _has(self, key: str) -> bool:
         return self._path(key).exists()
+
+    def _create(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return True
+
+    def _delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            pass
 
 
 class S3Store(BlobStore):
@@ -185,6 +222,26 @@ class S3Store(BlobStore):
                 raise
 
         return self._call(has)
+
+    def _create(self, key: str, data: bytes) -> bool:
+        from minio.error import S3Error
+
+        def create():
+            # a conditional PUT (If-None-Match: *; MinIO, SeaweedFS and AWS S3 honour it). The
+            # SDK's public put_object files unknown headers as user metadata, so this goes
+            # through its PutObject call with the header as given.
+            try:
+                self.client._put_object(self.bucket, self.prefix + key, data, headers={"If-None-Match": "*"})
+                return True
+            except S3Error as e:
+                if e.code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    return False
+                raise
+
+        return self._call(create)
+
+    def _delete(self, key: str) -> None:
+        self._call(lambda: self.client.remove_object(self.bucket, self.prefix + key))
 
 
 def open_store(url: Optional[str] = None) -> BlobStore:

@@ -3,24 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
+
+from opentelemetry import context as otel_context
 
 from kiln import cache
 from kiln.digest import Digest, digest_message
-from kiln.errors import InvalidArgument, ResourceExhausted
+from kiln.errors import DeadlineExceeded, InvalidArgument, KilnError, ResourceExhausted
 from kiln.ir.kernel import KernelGraph, kernel_graph_to_pb
 from kiln.ir.graph import Graph
 from kiln.ir.serialize import graph_from_pb, graph_to_pb
 from kiln.store import BlobStore
-from kiln.telemetry import span
+from kiln.telemetry import current_span, span
 from kiln.v1 import ir_pb2, services_pb2
 from optimizer_svc.cost import predict
 from optimizer_svc.fold import hoist
 from optimizer_svc.partition import DEFAULT_SCHEDULE, SCHEDULE_GRID, Schedule, partition, with_parallel
 from optimizer_svc.regions import RegionCycle, assemble, canonical, split
-from optimizer_svc.search import Pool, SearchLimits, SearchReport, graph_cost, saturate
+from optimizer_svc.search import IterationStat, Pool, SearchLimits, SearchReport, graph_cost, saturate
+
+log = logging.getLogger("kiln.optimizer")
 
 STAGE_VERSION = "optimizer-1-" + cache.code_version("optimizer_svc", "kiln.ir")
 MAX_ITERATIONS_CAP = 1000
@@ -64,49 +70,119 @@ class RegionStats:
 _STOP_ORDER = ("saturated", "iteration limit", "e-node limit", "time budget", "deadline")
 
 
-def saturate_regions(store: BlobStore, graph: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport, RegionStats]:
+def _bounds(limits: SearchLimits) -> dict:
+    return {"max_iterations": limits.max_iterations, "max_enodes": limits.max_enodes,
+            "pool": limits.pool.canonical() if limits.pool is not None else None}
+
+
+def saturate_region(store: BlobStore, d: Digest, region: Graph, limits: SearchLimits
+                    ) -> tuple[Graph, SearchReport, bool]:
+    """One distinct region structure, saturated once by whichever replica gets there first
+    (the others wait for it through the action cache); returns (graph, report, cached)."""
+    key = cache.action_key("saturate-region", STAGE_VERSION, {"region": d}, _bounds(limits))
+    with cache.flight(store, key, limits.deadline) as hit:
+        if hit is not None:
+            cached = graph_from_pb(store.get_message(hit["graph"], ir_pb2.Graph))
+            return cached, SearchReport(stop_reason="saturated"), True
+        with span("optimizer.region", **{"kiln.structure": str(d)}):
+            opt, rep = saturate(region, limits)
+        if rep.stop_reason == "saturated":  # a bounded result is not the structure's answer
+            cache.record(store, key, {"graph": store.put_message(graph_to_pb(opt))})
+        return opt, rep, False
+
+
+# A peer optimizer's SaturateRegion (optimizer_svc/server.py builds it from KILN_OPTIMIZER_PEERS):
+# (region digest, limits) -> (saturated region digest, report, cached)
+PeerSaturate = Callable[[Digest, SearchLimits], tuple[Digest, SearchReport, bool]]
+
+
+def saturate_regions(store: BlobStore, graph: Graph, limits: SearchLimits, peer: Optional[PeerSaturate] = None
+                     ) -> tuple[Graph, SearchReport, RegionStats]:
     """Saturate each distinct region structure once (regions.py), from the action cache when an
-    earlier compile or another replica already did; the time budget is shared by all of them."""
+    earlier compile or another replica already did. With peers, the distinct regions are sent
+    to peer optimizers in parallel (fan-out; a failed peer's region is saturated here);
+    without, they are saturated here one after another, sharing the time budget."""
     regions = split(graph)
     canon = {r.name: canonical(graph, r) for r in regions}
     digests = {name: digest_message(graph_to_pb(cg)) for name, cg in canon.items()}
-    stats = RegionStats(regions=len(regions), distinct=len(set(digests.values())))
+    distinct = {d: canon[name] for name, d in reversed(list(digests.items()))}  # first region of each
+    stats = RegionStats(regions=len(regions), distinct=len(distinct))
     report = SearchReport(stop_reason="saturated")
-    done: dict[Digest, Graph] = {}
     t0 = time.monotonic()
-    bounds = {"max_iterations": limits.max_iterations, "max_enodes": limits.max_enodes,
-              "pool": limits.pool.canonical() if limits.pool is not None else None}
-    for name, d in digests.items():
-        if d in done:
-            continue
-        key = cache.action_key("saturate-region", STAGE_VERSION, {"region": d}, bounds)
-        hit = cache.lookup(store, key)
-        if hit is not None:
-            done[d] = graph_from_pb(store.get_message(hit["graph"], ir_pb2.Graph))
+
+    def left() -> SearchLimits:
+        return SearchLimits(limits.max_iterations, limits.max_enodes,
+                            max(0.0, limits.time_budget_s - (time.monotonic() - t0)), limits.deadline, limits.pool)
+
+    def remote(d: Digest, region: Graph) -> tuple[Graph, SearchReport, bool]:
+        store.put_message(graph_to_pb(region))
+        try:
+            out_d, rep, cached = peer(d, left())
+            return graph_from_pb(store.get_message(out_d, ir_pb2.Graph)), rep, cached
+        except (KilnError, ValueError) as e:
+            if isinstance(e, DeadlineExceeded):
+                raise
+            log.warning("peer optimizer failed on region %s (%s); saturating it here", d, e)
+            current_span().add_event("kiln.fanout_fallback", {"kiln.structure": str(d), "kiln.error": str(e)})
+            return saturate_region(store, d, region, left())
+
+    done: dict[Digest, tuple[Graph, SearchReport, bool]] = {}
+    order = list(dict.fromkeys(digests.values()))
+    if peer is not None and len(distinct) > 1:
+        with span("optimizer.fanout", **{"kiln.regions": len(distinct)}), \
+                ThreadPoolExecutor(len(distinct), thread_name_prefix="fanout") as pool:
+            ctx = otel_context.get_current()  # the peers' spans join this trace
+            futures = {d: pool.submit(_in_context(ctx, remote), d, distinct[d]) for d in order}
+            done = {d: f.result() for d, f in futures.items()}
+    else:
+        for d in order:
+            done[d] = saturate_region(store, d, distinct[d], left())
+    for d in order:
+        _, rep, cached = done[d]
+        if cached:
             stats.cache_hits += 1
             continue
-        left = SearchLimits(limits.max_iterations, limits.max_enodes,
-                            max(0.0, limits.time_budget_s - (time.monotonic() - t0)), limits.deadline, limits.pool)
-        with span("optimizer.region", **{"kiln.region": name, "kiln.structure": str(d)}):
-            opt, rep = saturate(canon[name], left)
-        done[d] = opt
         report.iterations += rep.iterations
         for k, v in rep.rules.items():
             report.rules[k] = report.rules.get(k, 0) + v
         for k, v in rep.rulesets.items():
             report.rulesets[k] = report.rulesets.get(k, 0) + v
         report.stop_reason = max(report.stop_reason, rep.stop_reason, key=_STOP_ORDER.index)
-        if rep.stop_reason == "saturated":  # a bounded result is not the structure's answer
-            cache.record(store, key, {"graph": store.put_message(graph_to_pb(opt))})
     try:
-        out = assemble(graph, regions, {name: done[d] for name, d in digests.items()})
+        out = assemble(graph, regions, {name: done[d][0] for name, d in digests.items()})
     except RegionCycle:  # regions feed each other both ways: no split, one saturation
-        out, report = saturate(graph, SearchLimits(limits.max_iterations, limits.max_enodes,
-                                                   max(0.0, limits.time_budget_s - (time.monotonic() - t0)),
-                                                   limits.deadline, limits.pool))
+        out, report = saturate(graph, left())
         stats = RegionStats(regions=1, distinct=1)
     report.seconds = time.monotonic() - t0
     return out, report, stats
+
+
+def _in_context(ctx, fn):
+    def run(*args):
+        token = otel_context.attach(ctx)
+        try:
+            return fn(*args)
+        finally:
+            otel_context.detach(token)
+
+    return run
+
+
+def search_report_to_pb(rep: SearchReport, out: services_pb2.OptimizeReport) -> None:
+    """The search's iterations and rule counts into a report (stop reason and time are the caller's)."""
+    for it in rep.iterations:
+        out.iterations.add(iteration=it.iteration, enodes=it.enodes, eclasses=it.eclasses,
+                           rules_fired=it.rules_fired)
+    for rule, n in sorted(rep.rules.items()):
+        out.rules.add(rule=rule, matches=n)
+    for family, n in sorted(rep.rulesets.items()):
+        out.rulesets.add(rule=family, matches=n)
+
+
+def search_report_from_pb(r: services_pb2.OptimizeReport) -> SearchReport:
+    return SearchReport([IterationStat(i.iteration, i.enodes, i.eclasses, i.rules_fired) for i in r.iterations],
+                        {x.rule: x.matches for x in r.rules}, {x.rule: x.matches for x in r.rulesets},
+                        r.stop_reason, r.seconds)
 
 
 def candidates(g: Graph, options: OptimizeOptions, profile) -> list[tuple[Schedule, KernelGraph, list]]:
@@ -133,59 +209,53 @@ def candidates(g: Graph, options: OptimizeOptions, profile) -> list[tuple[Schedu
     return out[:options.candidates]
 
 
-def optimize(store: BlobStore, graph_d: Digest, options: OptimizeOptions,
-             deadline: Optional[float] = None) -> tuple[Digest, services_pb2.OptimizeReport]:
+def optimize(store: BlobStore, graph_d: Digest, options: OptimizeOptions, deadline: Optional[float] = None,
+             peer: Optional[PeerSaturate] = None) -> tuple[Digest, services_pb2.OptimizeReport]:
     check_options(options)
     key = cache.action_key("optimize", STAGE_VERSION, {"graph": graph_d}, options.canonical())
-    hit = cache.lookup(store, key)
-    if hit is not None:
-        return hit["kernel_graph"], store.get_message(hit["report"], services_pb2.OptimizeReport)
-    t0 = time.monotonic()
-    try:
-        graph = graph_from_pb(store.get_message(graph_d, ir_pb2.Graph))
-    except ValueError as e:
-        raise InvalidArgument(f"graph {graph_d} is malformed: {e}") from e
-    profile = (store.get_message(options.target_profile, services_pb2.TargetProfile)
-               if options.target_profile is not None else None)
-    with span("optimizer.search", **{"kiln.graph": str(graph_d), "kiln.search": options.search}) as s:
-        if options.search:
-            limits = SearchLimits(options.max_iterations, options.max_enodes, options.time_budget_s, deadline,
-                                  Pool.from_profile(profile))
-            optimized, rep, dedup = saturate_regions(store, graph, limits)
-        else:
-            optimized, rep, dedup = graph, SearchReport(stop_reason="search off"), RegionStats()
-        optimized, prepare = hoist(optimized)  # weight-only work: done at Load, not per run
-        cands = [(schedule, dataclasses.replace(kg, prepare=prepare), costs)
-                 for schedule, kg, costs in candidates(optimized, options, profile)]
-        s.set_attribute("kiln.stop_reason", rep.stop_reason)
-        s.set_attribute("kiln.cost_before", graph_cost(graph))
-        s.set_attribute("kiln.cost_after", graph_cost(optimized))
-        s.set_attribute("kiln.folded_weights", len(prepare.outputs) if prepare is not None else 0)
-        s.set_attribute("kiln.kernels", len(cands[0][1].kernels))
-        s.set_attribute("kiln.candidates", len(cands))
-    report = services_pb2.OptimizeReport(stop_reason=rep.stop_reason, nodes_before=len(graph.nodes),
-                                         nodes_after=len(optimized.nodes), kernels=len(cands[0][1].kernels),
-                                         cost_before=graph_cost(graph),
-                                         cost_after=graph_cost(optimized), regions=dedup.regions,
-                                         distinct_regions=dedup.distinct, region_cache_hits=dedup.cache_hits)
-    for schedule, kg, costs in cands:
-        d = store.put_message(kernel_graph_to_pb(kg, graph_d))
-        report.candidates.add(kernel_graph=d.to_pb(), schedule=schedule.describe(), kernels=len(kg.kernels),
-                              predicted_s=sum(c.seconds for c in costs))
-    kg_d = Digest.from_pb(report.candidates[0].kernel_graph)
-    if profile is not None:
-        report.predicted_s = report.candidates[0].predicted_s
-        for c in cands[0][2]:
-            report.kernel_predictions.add(kernel=c.kernel, kind=c.kind, seconds=c.seconds, bound=c.bound)
-    for it in rep.iterations:
-        report.iterations.add(iteration=it.iteration, enodes=it.enodes, eclasses=it.eclasses,
-                              rules_fired=it.rules_fired)
-    for rule, n in sorted(rep.rules.items()):
-        report.rules.add(rule=rule, matches=n)
-    for family, n in sorted(rep.rulesets.items()):
-        report.rulesets.add(rule=family, matches=n)
-    report.seconds = time.monotonic() - t0
-    # a run cut short by the caller's deadline is not a reusable result
-    if rep.stop_reason != "deadline":
-        cache.record(store, key, {"kernel_graph": kg_d, "report": store.put_message(report)})
-    return kg_d, report
+    with cache.flight(store, key, deadline) as hit:  # one replica does it; the others wait
+        if hit is not None:
+            return hit["kernel_graph"], store.get_message(hit["report"], services_pb2.OptimizeReport)
+        t0 = time.monotonic()
+        try:
+            graph = graph_from_pb(store.get_message(graph_d, ir_pb2.Graph))
+        except ValueError as e:
+            raise InvalidArgument(f"graph {graph_d} is malformed: {e}") from e
+        profile = (store.get_message(options.target_profile, services_pb2.TargetProfile)
+                   if options.target_profile is not None else None)
+        with span("optimizer.search", **{"kiln.graph": str(graph_d), "kiln.search": options.search}) as s:
+            if options.search:
+                limits = SearchLimits(options.max_iterations, options.max_enodes, options.time_budget_s, deadline,
+                                      Pool.from_profile(profile))
+                optimized, rep, dedup = saturate_regions(store, graph, limits, peer)
+            else:
+                optimized, rep, dedup = graph, SearchReport(stop_reason="search off"), RegionStats()
+            optimized, prepare = hoist(optimized)  # weight-only work: done at Load, not per run
+            cands = [(schedule, dataclasses.replace(kg, prepare=prepare), costs)
+                     for schedule, kg, costs in candidates(optimized, options, profile)]
+            s.set_attribute("kiln.stop_reason", rep.stop_reason)
+            s.set_attribute("kiln.cost_before", graph_cost(graph))
+            s.set_attribute("kiln.cost_after", graph_cost(optimized))
+            s.set_attribute("kiln.folded_weights", len(prepare.outputs) if prepare is not None else 0)
+            s.set_attribute("kiln.kernels", len(cands[0][1].kernels))
+            s.set_attribute("kiln.candidates", len(cands))
+        report = services_pb2.OptimizeReport(stop_reason=rep.stop_reason, nodes_before=len(graph.nodes),
+                                             nodes_after=len(optimized.nodes), kernels=len(cands[0][1].kernels),
+                                             cost_before=graph_cost(graph),
+                                             cost_after=graph_cost(optimized), regions=dedup.regions,
+                                             distinct_regions=dedup.distinct, region_cache_hits=dedup.cache_hits)
+        for schedule, kg, costs in cands:
+            d = store.put_message(kernel_graph_to_pb(kg, graph_d))
+            report.candidates.add(kernel_graph=d.to_pb(), schedule=schedule.describe(), kernels=len(kg.kernels),
+                                  predicted_s=sum(c.seconds for c in costs))
+        kg_d = Digest.from_pb(report.candidates[0].kernel_graph)
+        if profile is not None:
+            report.predicted_s = report.candidates[0].predicted_s
+            for c in cands[0][2]:
+                report.kernel_predictions.add(kernel=c.kernel, kind=c.kind, seconds=c.seconds, bound=c.bound)
+        search_report_to_pb(rep, report)
+        report.seconds = time.monotonic() - t0
+        # a run cut short by the caller's deadline is not a reusable result
+        if rep.stop_reason != "deadline":
+            cache.record(store, key, {"kernel_graph": kg_d, "report": store.put_message(report)})
+        return kg_d, report

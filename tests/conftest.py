@@ -23,7 +23,7 @@ for _s in ("IMPORTER", "OPTIMIZER", "CODEGEN", "EXECUTOR"):
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from s3server import SeaweedS3  # noqa: E402
+from kiln.s3local import SeaweedS3  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kiln.examples import mlp_example
-from s3server import free_port
+from kiln.s3local import free_port
 
 
 def kiln_cli(*args, env=None, check=True):
@@ -84,7 +84,7 @@ def test_serve_all_on_one_port(s3):
                     raise AssertionError(f"server did not come up: {proc.stdout.read() if proc.poll() is not None else ''}")
                 time.sleep(0.5)
         from kiln.store import S3Store
-        from s3server import ACCESS_KEY, SECRET_KEY
+        from kiln.s3local import ACCESS_KEY, SECRET_KEY
 
         store = S3Store("kiln-tests", s3.endpoint, ACCESS_KEY, SECRET_KEY, prefix="serve-all")
         p = Pipeline(store, {s: addr for s in ("importer", "optimizer", "codegen", "executor")})

@@ -95,3 +95,71 @@ def test_s3_store_down_is_unavailable():
 
     with pytest.raises(Unavailable):
         S3Store("bucket", "127.0.0.1:9", "a", "b")
+
+
+def test_exclusive_create_has_one_winner(store):
+    assert store.create_lease("l" * 64 + ".0", b"first")
+    assert not store.create_lease("l" * 64 + ".0", b"second")
+    assert store.read_lease("l" * 64 + ".0") == b"first"
+    store.delete_lease("l" * 64 + ".0")
+    assert store.read_lease("l" * 64 + ".0") is None
+
+
+def test_flight_runs_the_work_once_across_threads(store):
+    """Eight callers of one action at once: one holds the lease and works, the rest wait for
+    its result in the action cache."""
+    import threading
+    import time
+
+    from kiln import cache
+
+    key = cache.action_key("test", "1", {}, {"case": os.urandom(8).hex()})
+    done, results = [], []
+
+    def caller():
+        with cache.flight(store, key) as hit:
+            if hit is None:
+                done.append(1)
+                time.sleep(0.5)
+                cache.record(store, key, {"out": store.put(b"the result")})
+                hit = cache.lookup(store, key)
+        results.append(hit["out"])
+
+    threads = [threading.Thread(target=caller) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(done) == 1
+    assert results == [digest_bytes(b"the result")] * 8
+
+
+def test_an_expired_lease_is_taken_over(store, monkeypatch):
+    """A holder killed mid-work stops renewing: after the TTL another caller takes over."""
+    from kiln import cache
+
+    monkeypatch.setenv("KILN_LEASE_TTL_S", "0.6")
+    key = cache.action_key("test", "1", {}, {"case": os.urandom(8).hex()})
+    dead = cache.Lease.try_acquire(store, key)
+    dead._stop.set()  # the holder dies: no more renewals, no release
+    assert cache.Lease.try_acquire(store, key) is None  # still live
+    with cache.flight(store, key) as hit:  # waits out the TTL, then works
+        assert hit is None
+        cache.record(store, key, {"out": store.put(b"x")})
+    assert cache.lookup(store, key) == {"out": digest_bytes(b"x")}
+
+
+def test_waiting_for_a_live_lease_honours_the_deadline(store):
+    import time
+
+    from kiln import cache
+    from kiln.errors import DeadlineExceeded
+
+    key = cache.action_key("test", "1", {}, {"case": os.urandom(8).hex()})
+    holder = cache.Lease.try_acquire(store, key)
+    try:
+        with pytest.raises(DeadlineExceeded, match="another replica"):
+            with cache.flight(store, key, deadline=time.monotonic() + 0.5):
+                pass
+    finally:
+        holder.release()

