@@ -174,8 +174,14 @@ class S3Store(BlobStore):
         self._call(self._ensure_bucket)
 
     def _ensure_bucket(self):
+        from minio.error import S3Error
+
         if not self.client.bucket_exists(self.bucket):
-            self.client.make_bucket(self.bucket)
+            try:
+                self.client.make_bucket(self.bucket)
+            except S3Error as e:  # another replica, starting at the same time, made it
+                if e.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise
 
     def _call(self, fn, *args):
         from minio.error import S3Error
