@@ -340,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve one stage, or all four on one port")
     s.add_argument("stage", choices=["importer", "optimizer", "codegen", "executor", "all"])
     s.add_argument("--port", type=int, default=int(os.environ.get("KILN_PORT", "50051")))
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default=os.environ.get("KILN_HOST", "127.0.0.1"),
+                   help="address to bind (default $KILN_HOST or 127.0.0.1; 0.0.0.0 in a container)")
     s.set_defaults(fn=cmd_serve)
     fa = sub.add_parser("farm", help="start (up) or stop (down) a local farm of server processes over one S3 store; "
                                      "up prints the KILN_* settings that point a client at it")
