@@ -82,6 +82,7 @@ class Lease:
         self.store, self.name, self.ttl = store, name, ttl
         self.owner = f"{os.uname().nodename}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
         self._stop = threading.Event()
+        self._writing = threading.Lock()  # a renewal never lands after release's delete
         self._renewer: Optional[threading.Thread] = None
 
     def _record(self) -> bytes:
@@ -112,16 +113,20 @@ class Lease:
     def _start(self) -> None:
         def renew():
             while not self._stop.wait(self.ttl / 3):
-                try:
-                    self.store.write_lease(self.name, self._record())
-                except KilnError:
-                    pass  # store briefly down: the next renewal may get through
+                with self._writing:
+                    if self._stop.is_set():
+                        return
+                    try:
+                        self.store.write_lease(self.name, self._record())
+                    except KilnError:
+                        pass  # store briefly down: the next renewal may get through
 
         self._renewer = threading.Thread(target=renew, name=f"lease-{self.name[:12]}", daemon=True)
         self._renewer.start()
 
     def release(self) -> None:
-        self._stop.set()
+        with self._writing:
+            self._stop.set()
         try:
             self.store.delete_lease(self.name)
         except KilnError:
