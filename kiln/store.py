@@ -140,13 +140,18 @@ class FileStore(BlobStore):
     def _create(self, key: str, data: bytes) -> bool:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
+        # written whole beside the target, then hard-linked into place: link fails if the target
+        # exists, and a reader never sees it half-written
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.link(tmp, path)
+            return True
         except FileExistsError:
             return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return True
+        finally:
+            os.unlink(tmp)
 
     def _delete(self, key: str) -> None:
         try:
