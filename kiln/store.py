@@ -110,23 +110,26 @@ class FileStore(BlobStore):
     def _path(self, key: str) -> Path:
         return self.root / key
 
-    def _write(self, key: str, data: bytes) -> None:
+    def _staged(self, key: str, data: bytes, place) -> None:
+        """Write `data` whole to a temp file beside the key's path, then `place(tmp, path)` it
+        there (os.replace: overwrite; os.link: only if absent): readers never see it partial."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # write to a temp file beside the target, then rename: readers never see a partial blob
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
+            place(tmp, path)
+        finally:
             try:
                 os.unlink(tmp)
-            except FileNotFoundError:
+            except FileNotFoundError:  # replaced into place
                 pass
-            raise
+
+    def _write(self, key: str, data: bytes) -> None:
+        self._staged(key, data, os.replace)
 
     def _read(self, key: str) -> Optional[bytes]:
         try:
@@ -138,20 +141,11 @@ class FileStore(BlobStore):
         return self._path(key).exists()
 
     def _create(self, key: str, data: bytes) -> bool:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # written whole beside the target, then hard-linked into place: link fails if the target
-        # exists, and a reader never sees it half-written
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.link(tmp, path)
+            self._staged(key, data, os.link)  # link fails if the key exists
             return True
         except FileExistsError:
             return False
-        finally:
-            os.unlink(tmp)
 
     def _delete(self, key: str) -> None:
         try:

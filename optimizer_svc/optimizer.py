@@ -105,7 +105,9 @@ def saturate_regions(store: BlobStore, graph: Graph, limits: SearchLimits, peer:
     regions = split(graph)
     canon = {r.name: canonical(graph, r) for r in regions}
     digests = {name: digest_message(graph_to_pb(cg)) for name, cg in canon.items()}
-    distinct = {d: canon[name] for name, d in reversed(list(digests.items()))}  # first region of each
+    distinct: dict[Digest, Graph] = {}  # each structure's first region, in graph order
+    for name, d in digests.items():
+        distinct.setdefault(d, canon[name])
     stats = RegionStats(regions=len(regions), distinct=len(distinct))
     report = SearchReport(stop_reason="saturated")
     t0 = time.monotonic()
@@ -127,7 +129,7 @@ def saturate_regions(store: BlobStore, graph: Graph, limits: SearchLimits, peer:
             return saturate_region(store, d, region, left())
 
     done: dict[Digest, tuple[Graph, SearchReport, bool]] = {}
-    order = list(dict.fromkeys(digests.values()))
+    order = list(distinct)
     if peer is not None and len(distinct) > 1:
         with span("optimizer.fanout", **{"kiln.regions": len(distinct)}), \
                 ThreadPoolExecutor(len(distinct), thread_name_prefix="fanout") as pool:

@@ -25,10 +25,9 @@ def options_from_request(r: services_pb2.OptimizeRequest) -> OptimizeOptions:
                            target_profile=Digest.from_pb(r.target_profile) if r.HasField("target_profile") else None)
 
 
-def peer_client(addresses: str, target_profile: Optional[Digest]) -> PeerSaturate:
-    """SaturateRegion on the peers (a replica list or a DNS name, round-robin, UNAVAILABLE
-    retried inside the deadline)."""
-    stub = services_pb2_grpc.OptimizerStub(client.channel(addresses))
+def peer_client(stub: services_pb2_grpc.OptimizerStub, target_profile: Optional[Digest]) -> PeerSaturate:
+    """SaturateRegion on the peers behind `stub` (a replica list or a DNS name, round-robin,
+    UNAVAILABLE retried inside the deadline)."""
 
     def saturate_on_peer(region: Digest, limits: SearchLimits):
         req = services_pb2.SaturateRegionRequest(region=region.to_pb(), max_iterations=limits.max_iterations,
@@ -49,6 +48,8 @@ class OptimizerServicer(services_pb2_grpc.OptimizerServicer):
     def __init__(self, store, peers: Optional[str] = None):
         self.store = store
         self.peers = peers if peers is not None else os.environ.get("KILN_OPTIMIZER_PEERS", "")
+        # one channel to the peers for the server's life
+        self._peer_stub = services_pb2_grpc.OptimizerStub(client.channel(self.peers)) if self.peers else None
 
     def add_to_server(self, server):
         services_pb2_grpc.add_OptimizerServicer_to_server(self, server)
@@ -56,7 +57,7 @@ class OptimizerServicer(services_pb2_grpc.OptimizerServicer):
     @rpc
     def Optimize(self, request, context):
         options = options_from_request(request)
-        peer = peer_client(self.peers, options.target_profile) if self.peers and options.search else None
+        peer = peer_client(self._peer_stub, options.target_profile) if self._peer_stub and options.search else None
         with span("optimizer.Optimize", **{"kiln.peers": self.peers}):
             kg, report = optimize(self.store, Digest.from_pb(request.graph), options, deadline_of(context), peer)
         return services_pb2.OptimizeResponse(kernel_graph=kg.to_pb(), report=report)
