@@ -24,7 +24,13 @@ proto: kiln/v1/.generated
 run: setup
 	$(PY) -m kiln.cli demo
 
-test: setup
+# the trace timeline test renders a page in Debian's headless Chromium
+CHROMIUM := /usr/bin/chromium
+
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+
+test: setup $(CHROMIUM)
 	$(PY) -m pytest -q tests
 
 clean:

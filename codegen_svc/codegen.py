@@ -10,7 +10,7 @@ from kiln.errors import FailedPrecondition, InvalidArgument
 from kiln.ir.kernel import kernel_graph_from_pb
 from kiln.ir.serialize import dim_to_pb, dtype_to_pb, graph_to_pb, tensor_spec_to_pb
 from kiln.store import BlobStore
-from kiln.telemetry import span
+from kiln.telemetry import current_span, span
 from kiln.v1 import ir_pb2
 from codegen_svc.emit_cpu import emit_cpu
 
@@ -60,5 +60,6 @@ def emit(store: BlobStore, kg_d: Digest, target: str = "cpu", deadline: Optional
             bundle.memory.node_slot[node] = slot
         bundle.memory.peak_bytes = prog.memory.peak_bytes
         d = store.put_message(bundle)
+        current_span().set_attribute("kiln.bundle", str(d))
         cache.record(store, key, {"bundle": d})
         return d, len(prog.kernels), prog.memory.peak_bytes

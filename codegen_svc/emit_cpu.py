@@ -20,6 +20,7 @@ from typing import Optional
 
 import numpy as np
 
+from kiln.digest import digest_bytes
 from kiln.errors import FailedPrecondition
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import DEFAULT_ATTENTION_TILE, DEFAULT_GEMM_TILE, Graph, TensorSpec
@@ -1172,10 +1173,12 @@ def emit_cpu(kg: KernelGraph) -> CpuProgram:
     for t, k in enumerate(kg.kernels):
         if t in plan.skipped:  # a copy into an output that its producer now writes directly
             continue
-        with span("codegen.kernel", **{"kiln.kernel": k.name, "kiln.kind": k.kind}):
+        with span("codegen.kernel", **{"kiln.kernel": k.name, "kiln.kind": k.kind}) as ks:
             consts: dict = {}
             symbol, text = kernel_module(_KernelWriter(kg, k, consts).emit(), consts)
             kernels.append(EmittedKernel(k.name, k.kind, text, symbol))
+            ks.set_attribute("kiln.source", str(digest_bytes(text.encode())))
+            ks.set_attribute("kiln.parallel", bool(k.parallel))
     imports = "\n".join(sorted({f"from {k.module} import {k.symbol}" for k in kernels}))
     module = HEADER + imports + "\n\n\n" + _emit_entry(kg, plan, [k.symbol for k in kernels])
     outputs = tuple(TensorSpec(name or f"out{i}", g.nodes[o].shape, g.nodes[o].dtype)

@@ -31,7 +31,7 @@ from kiln.ir.serialize import dtype_from_pb, graph_from_pb, tensor_spec_from_pb
 from kiln.ir.kernel import kernel_named_by_content
 from kiln.ir.shape import Sym, evaluate_dim, format_shape
 from kiln.store import BlobStore
-from kiln.telemetry import child_span, span
+from kiln.telemetry import child_span, span, start_span, untraced
 from kiln.v1 import ir_pb2
 
 MAX_SESSIONS = 64  # least recently used sessions beyond this are evicted
@@ -343,13 +343,21 @@ class Executor:
                 raise InvalidArgument("Profile candidates must share one input signature")
         times: list[list[float]] = [[] for _ in sessions]
         with span("executor.profile", **{"kiln.candidates": len(sessions), "kiln.repeats": repeats}):
-            for s in sessions:  # warm-up: compiles on first call
-                self.run_session(s, inputs)
-            for _ in range(repeats):
-                for i, s in enumerate(sessions):
-                    t0 = time.perf_counter()
+            # one span per timed candidate; they overlap because the candidates are timed interleaved
+            candidate_spans = [start_span("executor.candidate", **{"kiln.bundle": str(b), "kiln.candidate": i})
+                               for i, b in enumerate(bundles)]
+            with untraced():
+                for s in sessions:  # warm-up: compiles on first call
                     self.run_session(s, inputs)
-                    times[i].append(time.perf_counter() - t0)
+                for _ in range(repeats):
+                    for i, s in enumerate(sessions):
+                        t0 = time.perf_counter()
+                        self.run_session(s, inputs)
+                        times[i].append(time.perf_counter() - t0)
+            for cs, t in zip(candidate_spans, times):
+                cs.set_attribute("kiln.median_ms", statistics.median(t) * 1e3)
+                cs.set_attribute("kiln.min_ms", min(t) * 1e3)
+                cs.end()
         return [(b, statistics.median(t), min(t)) for b, t in zip(bundles, times)]
 
 

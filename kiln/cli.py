@@ -175,6 +175,26 @@ def cmd_show(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    from kiln import trace_view
+    from kiln.telemetry import read_spans, trace_file
+
+    path = Path(args.file).expanduser() if args.file else trace_file()
+    spans = read_spans(path)
+    if args.list:
+        for t in trace_view.traces(spans):
+            print(f"{t['trace_id']}  {t['root']:<28} {t['ms']:>10.1f} ms  {t['spans']:>4} spans  "
+                  f"{','.join(t['services'])}")
+        return 0
+    chosen = trace_view.select(spans, args.trace_id)
+    if args.html:
+        Path(args.html).write_text(trace_view.render_html(chosen))
+        print(f"wrote {args.html} (trace {chosen[0]['trace_id']}, {len(chosen)} spans)")
+    else:
+        print(trace_view.render_tree(chosen))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from kiln.demo import main
 
@@ -355,6 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
     sh = sub.add_parser("show", help="print a graph, kernel graph, bundle or manifest by digest")
     sh.add_argument("digest")
     sh.set_defaults(fn=cmd_show)
+    tr = sub.add_parser("trace", help="print a recorded trace as a tree with durations (the latest by default), "
+                        "or write it as an HTML timeline")
+    tr.add_argument("trace_id", nargs="?", help="a trace id or a unique prefix of one (default: the latest)")
+    tr.add_argument("--html", metavar="FILE", help="write a self-contained timeline page instead")
+    tr.add_argument("--list", action="store_true", help="list the recorded traces")
+    tr.add_argument("--file", help="the OTLP JSON lines file (default $KILN_TRACE_FILE or ~/.cache/kiln/traces.jsonl)")
+    tr.set_defaults(fn=cmd_trace)
     pr = sub.add_parser("profile", help="time each kernel of a bundle, or of a model compiled first")
     pr.add_argument("model", help="a .pt2 file, a Hugging Face directory, a kiln bench model name, or a bundle "
                     "digest (with --manifest)")

@@ -1,8 +1,9 @@
 """OpenTelemetry for every stage: spans, W3C context over gRPC, and the default exporters.
 
 Exporter: OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set and the OTLP exporter is installed;
-otherwise one JSON line per finished span appended to KILN_TRACE_FILE
-(default ~/.cache/kiln/traces.jsonl). OTEL_TRACES_EXPORTER=none turns export off.
+otherwise OTLP JSON appended to KILN_TRACE_FILE (default ~/.cache/kiln/traces.jsonl), one
+export request per line, as the OpenTelemetry Collector's file exporter writes it; `read_spans`
+reads it back for `kiln trace`. OTEL_TRACES_EXPORTER=none turns export off.
 """
 
 from __future__ import annotations
@@ -24,27 +25,110 @@ _lock = threading.Lock()
 _configured = False
 
 
-class JsonLinesSpanExporter(SpanExporter):
+def _otlp_value(v) -> dict:
+    if isinstance(v, bool):
+        return {"boolValue": v}
+    if isinstance(v, int):
+        return {"intValue": str(v)}  # OTLP JSON writes 64-bit ints as strings
+    if isinstance(v, float):
+        return {"doubleValue": v}
+    if isinstance(v, str):
+        return {"stringValue": v}
+    return {"arrayValue": {"values": [_otlp_value(x) for x in v]}}
+
+
+def _otlp_attributes(attrs) -> list[dict]:
+    return [{"key": k, "value": _otlp_value(v)} for k, v in (attrs or {}).items()]
+
+
+def _from_otlp_value(v: dict):
+    if "arrayValue" in v:
+        return [_from_otlp_value(x) for x in v["arrayValue"].get("values", [])]
+    if "intValue" in v:
+        return int(v["intValue"])
+    for k in ("stringValue", "boolValue", "doubleValue"):
+        if k in v:
+            return v[k]
+    return None
+
+
+def otlp_json(spans: Sequence[ReadableSpan]) -> dict:
+    """An OTLP ExportTraceServiceRequest in its JSON form (hex ids, as the Collector's file exporter writes)."""
+    by_resource: dict = {}
+    for s in spans:
+        scope = s.instrumentation_scope.name if s.instrumentation_scope else ""
+        by_resource.setdefault(id(s.resource), (s.resource, {}))[1].setdefault(scope, []).append(s)
+    out = []
+    for resource, scopes in by_resource.values():
+        scope_spans = []
+        for scope, group in scopes.items():
+            encoded = []
+            for s in group:
+                ctx = s.get_span_context()
+                span = {"traceId": f"{ctx.trace_id:032x}", "spanId": f"{ctx.span_id:016x}", "name": s.name,
+                        "kind": s.kind.value + 1,  # OTLP counts from UNSPECIFIED = 0
+                        "startTimeUnixNano": str(s.start_time), "endTimeUnixNano": str(s.end_time),
+                        "attributes": _otlp_attributes(s.attributes),
+                        "status": {"code": s.status.status_code.value}}
+                if s.parent is not None:
+                    span["parentSpanId"] = f"{s.parent.span_id:016x}"
+                if s.status.description:
+                    span["status"]["message"] = s.status.description
+                encoded.append(span)
+            scope_spans.append({"scope": {"name": scope}, "spans": encoded})
+        out.append({"resource": {"attributes": _otlp_attributes(resource.attributes)}, "scopeSpans": scope_spans})
+    return {"resourceSpans": out}
+
+
+class OtlpJsonLinesSpanExporter(SpanExporter):
+    """Appends one OTLP JSON request per export batch to a file (the OTel Collector's file format)."""
+
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = []
-        for s in spans:
-            ctx = s.get_span_context()
-            lines.append(json.dumps({
-                "trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}",
-                "parent_id": f"{s.parent.span_id:016x}" if s.parent else None, "name": s.name,
-                "start_ns": s.start_time, "end_ns": s.end_time,
-                "service": s.resource.attributes.get("service.name", ""),
-                "attributes": {k: v if isinstance(v, (str, int, float, bool)) else list(v)
-                               for k, v in (s.attributes or {}).items()},
-                "status": s.status.status_code.name}))
+        line = json.dumps(otlp_json(spans), separators=(",", ":")) + "\n"
         with self._lock, open(self.path, "a") as f:
-            f.write("\n".join(lines) + "\n")
+            f.write(line)  # one write per batch: concurrent processes append whole lines
         return SpanExportResult.SUCCESS
+
+
+_STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
+_KIND = {1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
+
+
+def read_spans(path: str | os.PathLike) -> list[dict]:
+    """Every span in an OTLP JSON lines file, flattened: trace_id, span_id, parent_id, name, service,
+    kind, start_ns, end_ns, attributes, status, message. A line that does not parse (a writer killed
+    mid-line) is skipped."""
+    out = []
+    p = Path(path).expanduser()
+    if not p.exists():
+        return out
+    for line in p.read_text().splitlines():
+        try:
+            request = json.loads(line)
+        except ValueError:
+            continue
+        for rs in request.get("resourceSpans", []):
+            resource = {a["key"]: _from_otlp_value(a["value"]) for a in rs.get("resource", {}).get("attributes", [])}
+            for ss in rs.get("scopeSpans", []):
+                for s in ss.get("spans", []):
+                    out.append({"trace_id": s["traceId"], "span_id": s["spanId"], "parent_id": s.get("parentSpanId"),
+                                "name": s["name"], "service": resource.get("service.name", ""),
+                                "kind": _KIND.get(s.get("kind", 1), "INTERNAL"),
+                                "start_ns": int(s["startTimeUnixNano"]), "end_ns": int(s["endTimeUnixNano"]),
+                                "attributes": {a["key"]: _from_otlp_value(a["value"])
+                                               for a in s.get("attributes", [])},
+                                "status": _STATUS.get(s.get("status", {}).get("code", 0), "UNSET"),
+                                "message": s.get("status", {}).get("message", "")})
+    return out
+
+
+def trace_file() -> Path:
+    return Path(os.environ.get("KILN_TRACE_FILE", "~/.cache/kiln/traces.jsonl")).expanduser()
 
 
 def setup_tracing(service_name: str = "kiln", exporter: Optional[SpanExporter] = None) -> None:
@@ -76,7 +160,7 @@ def _default_exporter() -> Optional[SpanExporter]:
             return OTLPSpanExporter()
         except ImportError:
             pass
-    return JsonLinesSpanExporter(os.environ.get("KILN_TRACE_FILE", "~/.cache/kiln/traces.jsonl"))
+    return OtlpJsonLinesSpanExporter(trace_file())
 
 
 @contextlib.contextmanager
@@ -85,6 +169,11 @@ def span(name: str, **attributes) -> Iterator[trace.Span]:
         for k, v in attributes.items():
             s.set_attribute(k, v)
         yield s
+
+
+def start_span(name: str, **attributes) -> trace.Span:
+    """A child of the current span that the caller ends itself (for spans that overlap)."""
+    return _TRACER.start_span(name, attributes=attributes)
 
 
 _NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
@@ -97,6 +186,11 @@ def child_span(name: str, **attributes) -> contextlib.AbstractContextManager:
     if not trace.get_current_span().is_recording():
         return _NO_SPAN
     return span(name, **attributes)
+
+
+def untraced() -> contextlib.AbstractContextManager:
+    """No child spans inside (timing loops: a span's cost would be timed with the work)."""
+    return trace.use_span(trace.INVALID_SPAN, end_on_exit=False)
 
 
 def current_span() -> trace.Span:

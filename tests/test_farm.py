@@ -21,6 +21,7 @@ from kiln.errors import FailedPrecondition, Unavailable
 from kiln.examples import Encoder, mlp_example
 from kiln.s3local import SeaweedS3
 from kiln.store import S3Store
+from kiln.telemetry import read_spans
 
 LEASE_TTL_S = 3  # a killed replica's lease is taken over after this
 
@@ -56,8 +57,7 @@ def pipeline_for(f, stages=None, timeout=600.0, **addresses):
 
 
 def spans(f) -> list[dict]:
-    path = f.dir / "traces.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_spans(f.dir / "traces.jsonl")
 
 
 def span_counts(f) -> Counter:
