@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from kiln.errors import InvalidArgument, KilnError, ResourceExhausted
+from kiln.metrics import EXECUTOR_ACTIVE, EXECUTOR_BATCH, EXECUTOR_QUEUE
 from kiln.telemetry import child_span
 
 MIN_PAST = 2  # kiln/llm.py: the decode program's cache holds at least two slots
@@ -154,6 +155,7 @@ class Batcher:
                 raise ResourceExhausted(f"this executor is generating {self.max_sequences} sequences for this model, "
                                         "its limit; retry later")
             self.pending.append(seq)
+            EXECUTOR_QUEUE.inc()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kiln-generate", daemon=True)
                 self._thread.start()
@@ -168,8 +170,10 @@ class Batcher:
             seq.cancelled = True
             if seq in self.pending:
                 self.pending.remove(seq)
+                EXECUTOR_QUEUE.dec()
             if seq in self.active:
                 self.active.remove(seq)
+                EXECUTOR_ACTIVE.dec()
             seq.cache = seq.mask = None
 
     def busy(self) -> int:
@@ -186,6 +190,8 @@ class Batcher:
                 arrived = list(self.pending)
                 self.pending.clear()
                 self.active.extend(arrived)
+                EXECUTOR_QUEUE.dec(len(arrived))
+                EXECUTOR_ACTIVE.inc(len(arrived))
             for seq in arrived:
                 self._guarded([seq], self._prefill)
             with self.cond:
@@ -206,6 +212,7 @@ class Batcher:
             seq.finished = True
             if seq in self.active:
                 self.active.remove(seq)
+                EXECUTOR_ACTIVE.dec()
             seq.cache = seq.mask = None
         if error is not None:
             seq.out.put(error)
@@ -263,6 +270,7 @@ class Batcher:
             outs = self.run(self.decode, [("", ids), ("", pos), ("", mask)] + [("", c) for c in stacked])
         self.steps += 1
         self.batched += b
+        EXECUTOR_BATCH.observe(b)
         logits, grown = outs[0][1], [a for _, a in outs[1:]]
         for i, s in enumerate(seqs):
             keep = len(caches[i][1]) + 1

@@ -14,26 +14,42 @@ from typing import Iterator, Mapping, Optional
 from kiln.digest import Digest, digest_bytes
 from kiln.store import BlobStore
 from kiln.errors import DeadlineExceeded, KilnError
+from kiln.metrics import count_cache_lookup
 from kiln.telemetry import current_span
 from kiln.v1 import ir_pb2
 
 
-def action_key(stage: str, version: str, inputs: Mapping[str, Digest], options: Mapping[str, object]) -> str:
+class ActionKey(str):
+    """An action's key (hex), knowing its stage for the hit-ratio metric."""
+
+    stage: str = "unknown"
+
+
+def action_key(stage: str, version: str, inputs: Mapping[str, Digest], options: Mapping[str, object]) -> ActionKey:
     canon = json.dumps({"stage": stage, "version": version, "inputs": {k: str(v) for k, v in sorted(inputs.items())},
                         "options": dict(sorted(options.items()))}, sort_keys=True, separators=(",", ":"))
-    return digest_bytes(canon.encode()).hash
+    key = ActionKey(digest_bytes(canon.encode()).hash)
+    key.stage = stage
+    return key
 
 
-def lookup(store: BlobStore, key: str) -> Optional[dict[str, Digest]]:
+def lookup(store: BlobStore, key: str, count: bool = True) -> Optional[dict[str, Digest]]:
+    """The recorded outputs of an action, or None. `count`: this lookup is a request's first (metrics)."""
+    outs = _recorded(store, key)
+    current_span().set_attribute("kiln.action_cache", "miss" if outs is None else "hit")
+    if count:
+        count_cache_lookup(getattr(key, "stage", "unknown"), outs is not None)
+    return outs
+
+
+def _recorded(store: BlobStore, key: str) -> Optional[dict[str, Digest]]:
     d = store.get_action(key)
     if d is None:
-        current_span().set_attribute("kiln.action_cache", "miss")
         return None
     rec = store.get_message(d, ir_pb2.ActionResult)
     outs = {k: Digest.from_pb(v) for k, v in rec.outputs.items()}
     if not all(store.exists(v) for v in outs.values()):
         return None
-    current_span().set_attribute("kiln.action_cache", "hit")
     return outs
 
 
@@ -155,12 +171,12 @@ def flight(store: BlobStore, key: str, deadline: Optional[float] = None) -> Iter
             raise DeadlineExceeded(f"gave up waiting for another replica doing the same work (action {key[:16]})")
         time.sleep(pause)
         pause = min(pause * 2, WAIT_POLL_MAX_S)
-        hit = lookup(store, key)
+        hit = lookup(store, key, count=False)
         if hit is not None:
             current_span().set_attribute("kiln.single_flight", "waited")
             yield hit
             return
     try:
-        yield lookup(store, key) if waited else None  # finished between the last poll and the lease
+        yield lookup(store, key, count=False) if waited else None  # finished between the last poll and the lease
     finally:
         lease.release()

@@ -135,10 +135,21 @@ def cmd_serve(args) -> int:
     from kiln.store import open_store
     from kiln.telemetry import setup_tracing
 
+    from kiln.auth import AuthConfig
+    from kiln.metrics import serve_metrics
+
     stages = ["importer", "optimizer", "codegen", "executor"] if args.stage == "all" else [args.stage]
+    flags = {"KILN_TLS_CERT": args.tls_cert, "KILN_TLS_KEY": args.tls_key, "KILN_TLS_CLIENT_CA": args.tls_client_ca,
+             "KILN_AUTH_TOKEN_FILE": args.auth_token_file}
+    auth = AuthConfig.from_env({**os.environ, **{k: v for k, v in flags.items() if v}})
     setup_tracing(f"kiln-{args.stage}")
-    server, port = serve(stages, args.port, open_store(args.store), host=args.host)
-    print(f"kiln {args.stage} serving on {args.host}:{port}", flush=True)
+    server, port = serve(stages, args.port, open_store(args.store), host=args.host, auth=auth)
+    security = ("mTLS" if auth.client_ca else "TLS" if auth.cert else "plaintext") + \
+        (", bearer token" if auth.tokens else "")
+    print(f"kiln {args.stage} serving on {args.host}:{port} ({security})", flush=True)
+    if args.metrics_port is not None:
+        mport = serve_metrics(args.metrics_port, args.host)
+        print(f"kiln {args.stage} metrics on http://{args.host}:{mport}/metrics", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -362,6 +373,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=int(os.environ.get("KILN_PORT", "50051")))
     s.add_argument("--host", default=os.environ.get("KILN_HOST", "127.0.0.1"),
                    help="address to bind (default $KILN_HOST or 127.0.0.1; 0.0.0.0 in a container)")
+    metrics_port = os.environ.get("KILN_METRICS_PORT")
+    s.add_argument("--metrics-port", type=int, default=int(metrics_port) if metrics_port else None,
+                   help="serve Prometheus /metrics over HTTP on this port (default $KILN_METRICS_PORT; unset: off)")
+    s.add_argument("--tls-cert", help="server certificate chain, PEM (default $KILN_TLS_CERT; unset: plaintext)")
+    s.add_argument("--tls-key", help="its private key, PEM (default $KILN_TLS_KEY)")
+    s.add_argument("--tls-client-ca", help="require client certificates signed by this CA: mTLS "
+                   "(default $KILN_TLS_CLIENT_CA)")
+    s.add_argument("--auth-token-file", help="accepted bearer tokens, one per line (default $KILN_AUTH_TOKEN_FILE "
+                   "or the token in $KILN_AUTH_TOKEN; unset: no token check)")
     s.set_defaults(fn=cmd_serve)
     fa = sub.add_parser("farm", help="start (up) or stop (down) a local farm of server processes over one S3 store; "
                                      "up prints the KILN_* settings that point a client at it")

@@ -35,16 +35,24 @@ def channel_target(addresses: str) -> str:
     return "ipv4:" + ",".join(addrs)
 
 
-def channel(addresses: str):
+def channel(addresses: str, auth=None):
+    """A traced channel; TLS, a client certificate and a bearer token follow `auth` (default: the
+    environment, see kiln.auth)."""
     import grpc
 
+    from kiln.auth import AuthConfig, BearerTokenClientInterceptor
     from kiln.service import MAX_MESSAGE_BYTES
     from kiln.telemetry import instrument_channel
 
-    ch = grpc.insecure_channel(channel_target(addresses),
-                               options=[("grpc.lb_policy_name", "round_robin"),
-                                        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    auth = auth if auth is not None else AuthConfig.from_env()
+    options = [("grpc.lb_policy_name", "round_robin"), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *auth.channel_options()]
+    credentials = auth.channel_credentials()
+    target = channel_target(addresses)
+    ch = (grpc.secure_channel(target, credentials, options=options) if credentials is not None
+          else grpc.insecure_channel(target, options=options))
+    if auth.tokens:
+        ch = grpc.intercept_channel(ch, BearerTokenClientInterceptor(auth.tokens[0]))
     return instrument_channel(ch)
 
 

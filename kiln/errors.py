@@ -29,5 +29,9 @@ class DeadlineExceeded(KilnError):
     code = "DEADLINE_EXCEEDED"
 
 
+class Unauthenticated(KilnError):
+    code = "UNAUTHENTICATED"
+
+
 BY_CODE = {c.code: c for c in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unavailable,
-                               DeadlineExceeded)}
+                               DeadlineExceeded, Unauthenticated)}

@@ -93,7 +93,9 @@ def _wait_serving(address: str, proc: subprocess.Popen, log: Path, deadline: flo
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as ch:
+    from kiln.client import channel
+
+    with channel(address) as ch:  # the farm's own TLS settings, if any
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             if proc.poll() is not None:

@@ -16,6 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kiln import errors
+from kiln.auth import AuthConfig, BearerTokenInterceptor
+from kiln.metrics import MetricsInterceptor
 from kiln.telemetry import grpc_server_interceptors
 
 log = logging.getLogger("kiln.service")
@@ -74,10 +76,16 @@ def deadline_of(context) -> Optional[float]:
 
 
 def build_server(register: Iterable[tuple[Callable[[grpc.Server], None], str]], port: int,
-                 host: str = "127.0.0.1", max_workers: int = 8) -> tuple[grpc.Server, int]:
-    """A server with the given services plus grpc.health.v1 and reflection; returns (server, port)."""
+                 host: str = "127.0.0.1", max_workers: int = 8,
+                 auth: Optional[AuthConfig] = None) -> tuple[grpc.Server, int]:
+    """A server with the given services plus grpc.health.v1 and reflection; returns (server, port).
+    TLS, mTLS and the bearer-token check follow `auth` (default: from the environment)."""
+    auth = auth if auth is not None else AuthConfig.from_env()
+    interceptors = [MetricsInterceptor()]  # outermost: rejected calls are counted too
+    if auth.tokens:
+        interceptors.append(BearerTokenInterceptor(auth.tokens))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         interceptors=grpc_server_interceptors(),
+                         interceptors=[*interceptors, *grpc_server_interceptors()],
                          options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     health_servicer = health.HealthServicer()
@@ -89,7 +97,9 @@ def build_server(register: Iterable[tuple[Callable[[grpc.Server], None], str]], 
         health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = auth.server_credentials()
+    bound = (server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
+             else server.add_insecure_port(f"{host}:{port}"))
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     server.start()
@@ -114,5 +124,6 @@ def stage_services(store, stages: Iterable[str]):
     return out
 
 
-def serve(stages: Iterable[str], port: int, store, host: str = "127.0.0.1") -> tuple[grpc.Server, int]:
-    return build_server(stage_services(store, stages), port, host)
+def serve(stages: Iterable[str], port: int, store, host: str = "127.0.0.1",
+          auth: Optional[AuthConfig] = None) -> tuple[grpc.Server, int]:
+    return build_server(stage_services(store, stages), port, host, auth=auth)

@@ -26,6 +26,7 @@ from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import evaluate_dim, numel
 from kiln.ir import view as view_specs
 from kiln.ir.view import ViewSpec, compose
+from kiln.metrics import EGRAPH_ECLASSES, EGRAPH_ENODES
 from kiln.telemetry import span
 from optimizer_svc.partition import row_broadcast_axis
 from optimizer_svc.rules.algebra import algebra
@@ -358,6 +359,8 @@ def _saturate(g: Graph, limits: SearchLimits, eg: EGraph) -> tuple[Graph, Search
             s.set_attribute("kiln.enodes", enodes)
             s.set_attribute("kiln.eclasses", eclasses)
             s.set_attribute("kiln.rules_fired", fired)
+            EGRAPH_ENODES.observe(enodes)
+            EGRAPH_ECLASSES.observe(eclasses)
         if not updated and not new_pairs:
             stop = "saturated"
             break

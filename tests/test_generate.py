@@ -8,6 +8,7 @@ import threading
 import time
 
 import grpc
+from prometheus_client import REGISTRY
 import pytest
 import torch
 
@@ -127,6 +128,8 @@ def test_concurrent_requests_share_decode_steps_and_match_running_alone(llama):
     alone = [[t for t, _ in p.generate(lm, prompt, new)] for prompt, new in prompts]
     batcher = p._local_executor().batcher(lm)
     steps, batched = batcher.steps, batcher.batched
+    sample = REGISTRY.get_sample_value
+    hist = (sample("kiln_executor_batch_size_count") or 0, sample("kiln_executor_batch_size_sum") or 0)
     got = [None] * len(prompts)
     start = threading.Barrier(len(prompts))
 
@@ -141,6 +144,10 @@ def test_concurrent_requests_share_decode_steps_and_match_running_alone(llama):
         t.join()
     assert got == alone
     assert (batcher.batched - batched) / (batcher.steps - steps) > 1.5
+    # the metrics saw the same steps and batch sizes; nothing is left queued or active
+    assert sample("kiln_executor_batch_size_count") - hist[0] == batcher.steps - steps
+    assert sample("kiln_executor_batch_size_sum") - hist[1] == batcher.batched - batched
+    assert sample("kiln_executor_queue_depth") == 0 and sample("kiln_executor_active_sequences") == 0
 
 
 def test_stop_sequences_and_eos(llama):
