@@ -23,11 +23,11 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from kiln.digest import Digest
-from kiln.errors import FailedPrecondition, InvalidArgument, NotFound
+from kiln.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import TensorSpec
 from kiln.ir.evaluate import evaluate
-from kiln.ir.serialize import dtype_from_pb, graph_from_pb, tensor_spec_from_pb
+from kiln.ir.serialize import dim_from_pb, dtype_from_pb, graph_from_pb, tensor_spec_from_pb
 from kiln.ir.kernel import kernel_named_by_content
 from kiln.ir.shape import Sym, evaluate_dim, format_shape
 from kiln.store import BlobStore
@@ -35,6 +35,46 @@ from kiln.telemetry import child_span, span, start_span, untraced
 from kiln.v1 import ir_pb2
 
 MAX_SESSIONS = 64  # least recently used sessions beyond this are evicted
+
+
+def session_memory_budget() -> int:
+    """Bytes one session may hold: weights, inputs, intermediates and outputs of a run
+    (KILN_SESSION_MEMORY_MB; default half of this machine's memory)."""
+    mb = os.environ.get("KILN_SESSION_MEMORY_MB")
+    if mb:
+        return int(float(mb) * (1 << 20))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What one run of a session holds: its weights plus, per memory-plan slot, input and output,
+    a product of dims (over the bundle's symbols) times an itemsize."""
+    terms: tuple[tuple[tuple[object, ...], int], ...]
+
+    @staticmethod
+    def of(bundle) -> "MemoryNeed":
+        terms = [((dim_from_pb(s.elements),), dtype_from_pb(s.dtype).itemsize) for s in bundle.memory.slots]
+        for t in (*bundle.weights, *bundle.inputs, *bundle.outputs):
+            spec = tensor_spec_from_pb(t)
+            terms.append((tuple(spec.shape), spec.dtype.itemsize))
+        return MemoryNeed(tuple(terms))
+
+    def bytes(self, env: Mapping[str, int]) -> int:
+        total = 0
+        for dims, itemsize in self.terms:
+            n = itemsize
+            for d in dims:
+                n *= evaluate_dim(d, env)
+            total += n
+        return total
+
+    def check(self, env: Mapping[str, int], what: str) -> None:
+        need, budget = self.bytes(env), session_memory_budget()
+        if need > budget:
+            raise ResourceExhausted(f"{what} needs {need / (1 << 20):.1f} MiB (weights, inputs, intermediates and "
+                                    f"outputs), over this executor's per-session budget of "
+                                    f"{budget / (1 << 20):.1f} MiB (KILN_SESSION_MEMORY_MB)")
 
 
 def kernel_cache_dir() -> Path:
@@ -136,6 +176,7 @@ class Session:
     weights: tuple[np.ndarray, ...]
     lock: threading.Lock
     symbols: tuple[tuple[str, int, int], ...] = ()
+    memory: Optional[MemoryNeed] = None  # checked per run when symbols size it
 
     def __post_init__(self):
         # a signature without symbols or 16-bit floats is checked and returned by plain
@@ -199,6 +240,12 @@ class Executor:
             bundle = self.store.get_message(bundle_d, ir_pb2.Bundle)
             if bundle.target != "cpu":
                 raise FailedPrecondition(f"bundle {bundle_d} targets {bundle.target!r}; this executor runs cpu")
+            try:
+                memory = MemoryNeed.of(bundle)
+            except ValueError as e:
+                raise InvalidArgument(f"bundle {bundle_d} is malformed: {e}") from e
+            # before any weight is read: the smallest run this session could do must fit
+            memory.check({s.name: s.min for s in bundle.symbols}, f"bundle {bundle_d}")
             manifest = self.store.get_message(manifest_d, ir_pb2.WeightManifest)
             entries = {w.name: w for w in manifest.weights}
 
@@ -242,7 +289,8 @@ class Executor:
                            tuple(tensor_spec_from_pb(t) for t in bundle.inputs),
                            tuple(tensor_spec_from_pb(t) for t in bundle.outputs),
                            tuple(weights), threading.Lock(),
-                           tuple((s.name, s.min, s.max) for s in bundle.symbols))
+                           tuple((s.name, s.min, s.max) for s in bundle.symbols),
+                           memory if bundle.symbols else None)
 
     def load(self, bundle_d: Digest, manifest_d: Digest) -> str:
         s = self.open(bundle_d, manifest_d)
@@ -282,6 +330,8 @@ class Executor:
         if args is None:
             args, env = check_inputs(s.inputs, inputs, s.symbols)
             sym_args = [np.int64(env[name]) for name, _, _ in s.symbols]
+            if s.memory is not None:
+                s.memory.check(env, "a run with " + ", ".join(f"{k}={v}" for k, v in sorted(env.items())))
         with child_span("executor.run", **{"kiln.session": s.id, "kiln.bundle": str(s.bundle)}):
             with s.lock:  # buffers in the entry are per call, but numba's first call compiles
                 try:

@@ -33,5 +33,10 @@ class Unauthenticated(KilnError):
     code = "UNAUTHENTICATED"
 
 
+class DataLoss(KilnError):
+    """A stored blob does not hash to its digest (truncated or corrupted)."""
+    code = "DATA_LOSS"
+
+
 BY_CODE = {c.code: c for c in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unavailable,
-                               DeadlineExceeded, Unauthenticated)}
+                               DeadlineExceeded, Unauthenticated, DataLoss)}

@@ -16,7 +16,7 @@ from typing import Optional, Type, TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from kiln.digest import Digest, digest_bytes, serialize
-from kiln.errors import InvalidArgument, NotFound, Unavailable
+from kiln.errors import DataLoss, InvalidArgument, NotFound, Unavailable
 
 M = TypeVar("M", bound=Message)
 
@@ -57,7 +57,7 @@ class BlobStore(ABC):
             raise NotFound(f"no blob {d} in store {self.url}")
         actual = digest_bytes(data)
         if actual.hash != d.hash or (d.size_bytes >= 0 and actual.size_bytes != d.size_bytes):
-            raise InvalidArgument(f"blob {d} in store {self.url} is corrupt: its content hashes to {actual}")
+            raise DataLoss(f"blob {d} in store {self.url} is corrupt: its content hashes to {actual}")
         return data
 
     def exists(self, d: Digest) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ log = logging.getLogger("kiln.optimizer")
 
 STAGE_VERSION = "optimizer-1-" + cache.code_version("optimizer_svc", "kiln.ir")
 MAX_ITERATIONS_CAP = 1000
-MAX_ENODES_CAP = 5_000_000
+MAX_ENODES_CAP = 5_000_000  # default of KILN_MAX_ENODES
 MAX_CANDIDATES = len(SCHEDULE_GRID)
 
 
@@ -50,14 +51,20 @@ class OptimizeOptions:
                 "candidates": self.candidates}
 
 
-def check_options(o: OptimizeOptions) -> None:
-    if o.max_iterations < 0 or o.max_enodes < 0 or o.time_budget_s < 0:
+def check_bounds(max_iterations: int, max_enodes: int, time_budget_s: float) -> None:
+    """A request's search bounds against this server's caps (KILN_MAX_ENODES)."""
+    if max_iterations < 0 or max_enodes < 0 or not time_budget_s >= 0:
         raise InvalidArgument("search bounds must be non-negative")
+    enodes_cap = int(os.environ.get("KILN_MAX_ENODES", "") or MAX_ENODES_CAP)
+    if max_iterations > MAX_ITERATIONS_CAP or max_enodes > enodes_cap:
+        raise ResourceExhausted(f"search bounds over the server's caps (iterations <= {MAX_ITERATIONS_CAP}, "
+                                f"e-nodes <= {enodes_cap}, KILN_MAX_ENODES)")
+
+
+def check_options(o: OptimizeOptions) -> None:
+    check_bounds(o.max_iterations, o.max_enodes, o.time_budget_s)
     if not 1 <= o.candidates <= MAX_CANDIDATES:
         raise InvalidArgument(f"candidates must be in 1..{MAX_CANDIDATES}, got {o.candidates}")
-    if o.max_iterations > MAX_ITERATIONS_CAP or o.max_enodes > MAX_ENODES_CAP:
-        raise ResourceExhausted(f"search bounds over the server's caps (iterations <= {MAX_ITERATIONS_CAP}, "
-                                f"e-nodes <= {MAX_ENODES_CAP})")
 
 
 @dataclass

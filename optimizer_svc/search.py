@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -18,6 +19,7 @@ from typing import Optional
 from egglog import EGraph, String, i64, set_, union
 from egglog.pretty import pretty_decl
 
+from kiln.errors import ResourceExhausted
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import ATTENTION_TILES, DEFAULT_GEMM_TILE, GEMM_TILES, Graph
@@ -88,6 +90,30 @@ class SearchLimits:
     time_budget_s: float = 30.0
     deadline: Optional[float] = None  # time.monotonic() at which the caller's deadline expires
     pool: Optional[Pool] = None  # the target's pool: schedules are searched only when it is known
+    max_memory_bytes: int = field(default_factory=lambda: search_memory_cap())
+
+
+def search_memory_cap() -> int:
+    """Bytes one saturation may add to the process (KILN_OPTIMIZE_MEMORY_MB; default a quarter of
+    this machine's memory); past it the request is RESOURCE_EXHAUSTED."""
+    mb = os.environ.get("KILN_OPTIMIZE_MEMORY_MB")
+    if mb:
+        return int(float(mb) * (1 << 20))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (egglog's e-graph lives in Rust, out of Python's sight)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_memory(limits: SearchLimits, start: int, where: str) -> None:
+    grown = resident_bytes() - start
+    if grown > limits.max_memory_bytes:
+        raise ResourceExhausted(f"the search grew this process by {grown / (1 << 20):.1f} MiB {where}, over the "
+                                f"per-request cap of {limits.max_memory_bytes / (1 << 20):.1f} MiB "
+                                "(KILN_OPTIMIZE_MEMORY_MB); lower max_enodes or max_iterations")
 
 
 @dataclass
@@ -309,6 +335,7 @@ def saturate(g: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport]:
 
 def _saturate(g: Graph, limits: SearchLimits, eg: EGraph) -> tuple[Graph, SearchReport]:
     t0 = time.monotonic()
+    rss0 = resident_bytes()
     report = SearchReport()
     enc = _Encoder(g)
     refs = []
@@ -327,6 +354,7 @@ def _saturate(g: Graph, limits: SearchLimits, eg: EGraph) -> tuple[Graph, Search
         if limits.pool is not None:
             eg.register(set_(pool_threads()).to(i64(limits.pool.threads)))
         enc.flush_tables(eg)
+    _check_memory(limits, rss0, "encoding the graph")
     rulesets = {"algebra": algebra, "views": views, "reductions": reductions, "matmul": matmul, "norms": norms,
                 "attention": attention, "schedules": schedules}
     stop = "iteration limit"
@@ -361,6 +389,7 @@ def _saturate(g: Graph, limits: SearchLimits, eg: EGraph) -> tuple[Graph, Search
             s.set_attribute("kiln.rules_fired", fired)
             EGRAPH_ENODES.observe(enodes)
             EGRAPH_ECLASSES.observe(eclasses)
+        _check_memory(limits, rss0, f"by iteration {it}")
         if not updated and not new_pairs:
             stop = "saturated"
             break

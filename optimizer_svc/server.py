@@ -11,7 +11,7 @@ from kiln.ir.serialize import graph_from_pb, graph_to_pb
 from kiln.service import deadline_of, rpc
 from kiln.telemetry import span
 from kiln.v1 import ir_pb2, services_pb2, services_pb2_grpc
-from optimizer_svc.optimizer import (OptimizeOptions, PeerSaturate, optimize, saturate_region,
+from optimizer_svc.optimizer import (OptimizeOptions, PeerSaturate, check_bounds, optimize, saturate_region,
                                      search_report_from_pb, search_report_to_pb)
 from optimizer_svc.search import Pool, SearchLimits
 
@@ -72,6 +72,7 @@ class OptimizerServicer(services_pb2_grpc.OptimizerServicer):
         profile = (self.store.get_message(Digest.from_pb(request.target_profile), services_pb2.TargetProfile)
                    if request.HasField("target_profile") else None)
         d = OptimizeOptions()
+        check_bounds(request.max_iterations, request.max_enodes, request.time_budget_s)
         limits = SearchLimits(request.max_iterations or d.max_iterations, request.max_enodes or d.max_enodes,
                               request.time_budget_s or d.time_budget_s, deadline_of(context),
                               Pool.from_profile(profile))

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from kiln.digest import Digest, digest_bytes
-from kiln.errors import InvalidArgument, NotFound
+from kiln.errors import DataLoss, NotFound
 from kiln.store import FileStore, S3Store
 
 
@@ -36,7 +36,7 @@ def _overwrite(store, d: Digest, data: bytes):
 def test_get_verifies_hash(store):
     d = store.put(b"original content")
     _overwrite(store, d, b"tampered content")
-    with pytest.raises(InvalidArgument, match="corrupt"):
+    with pytest.raises(DataLoss, match="corrupt"):
         store.get(d)
 
 
