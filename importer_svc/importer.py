@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -205,17 +206,24 @@ def _check_meta(b: GraphBuilder, node, result) -> None:
                                  f"torch says {v.dtype}{format_shape(want)}")
 
 
+# torch.export's loading and decomposition keep process-wide state (dispatch modes, op
+# registrations): two imports at once in one process fail inside torch (seen: "Trying to
+# override a python impl ..."), so an importer lowers one program at a time; replicas scale it
+_torch_export_lock = threading.Lock()
+
+
 def import_program(store: BlobStore, program: Digest, deadline: Optional[float] = None) -> ImportResult:
     key = cache.action_key("import", STAGE_VERSION, {"program": program}, {})
     with cache.flight(store, key, deadline) as hit:  # one replica does it; the others wait
         if hit is not None:
             g = store.get_message(hit["graph"], ir_pb2.Graph)
             return ImportResult(hit["graph"], hit["manifest"], len(g.nodes))
-        with span("importer.load", **{"kiln.program": str(program)}):
-            data = store.get(program)
-            ep = load_program(data)
-        with span("importer.lower"):
-            graph, tensors = lower_program(ep)
+        data = store.get(program)
+        with _torch_export_lock:
+            with span("importer.load", **{"kiln.program": str(program)}):
+                ep = load_program(data)
+            with span("importer.lower"):
+                graph, tensors = lower_program(ep)
         with span("importer.upload_weights", **{"kiln.weights": len(tensors)}):
             manifest = ir_pb2.WeightManifest()
             for w in graph.weights:

@@ -1,0 +1,45 @@
+"""Load on loopback against a `kiln serve all` process: 32 clients on Run for 60 s with zero errors,
+every output right, and the server's memory flat (under 5% growth); 8 compiles at once through the
+importer and optimizer, each correct. The latency figures are printed (benchmarks/load.py reports
+them); nothing here asserts a time."""
+
+from __future__ import annotations
+
+import torch
+
+import kiln
+from kiln.examples import Encoder
+from kiln.loadtest import concurrent_compiles, run_load
+from test_hostile import STAGES, Server
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.a = torch.nn.Linear(32, width)
+        self.b = torch.nn.Linear(width, 10)
+
+    def forward(self, x):
+        return torch.log_softmax(self.b(torch.nn.functional.gelu(self.a(x))), dim=-1)
+
+
+def test_32_clients_on_run_for_60_s_then_8_concurrent_compiles(tmp_path):
+    s = Server(tmp_path)
+    try:
+        torch.manual_seed(0)
+        model, x = Encoder().eval(), torch.randn(2, 16, 64)
+        compiled = kiln.compile(model, (x,), pipeline=s.pipeline())
+        with torch.no_grad():
+            expected = model(x).numpy()
+        r = run_load(s.addr, compiled.session, [("x", x.numpy())], [expected], clients=32, seconds=60,
+                     server_pid=s.proc.pid)
+        print(r.summary())
+        assert r.errors == {} and r.wrong_outputs == 0
+        assert r.calls > 32
+        assert r.rss_growth < 0.05, r.rss_mb
+        models = [(Mlp(40 + 8 * i).eval(), (torch.randn(4, 32),)) for i in range(8)]
+        results = concurrent_compiles({st: s.addr for st in STAGES}, s.store, models)
+        assert len(results) == 8 and all(err <= 1e-4 for _, err in results)
+        assert s.proc.poll() is None
+    finally:
+        s.stop()
