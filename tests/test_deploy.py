@@ -70,6 +70,11 @@ def test_each_service_has_deployment_headless_service_and_hpa_matching_the_code(
         assert c["image"].startswith("kiln-cuda" if POOL[stage] == "gpu" else "kiln-cpu")
         for probe in ("readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == port  # grpc.health.v1, which every server serves
+        # Prometheus scrapes the port `kiln serve` serves /metrics on
+        metrics = next(p["containerPort"] for p in c["ports"] if p["name"] == "metrics")
+        assert int(env["KILN_METRICS_PORT"]["value"]) == metrics
+        notes = dep["spec"]["template"]["metadata"]["annotations"]
+        assert notes["prometheus.io/scrape"] == "true" and int(notes["prometheus.io/port"]) == metrics
         assert svc["spec"]["clusterIP"] == "None"  # headless: clients balance over the pods
         assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
         assert svc["spec"]["ports"][0]["port"] == port

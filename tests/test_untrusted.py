@@ -1,4 +1,5 @@
-"""Untrusted .pt2 archives: a malicious pickle is refused without running."""
+"""Untrusted artifacts: .pt2 archives and Hugging Face directories; a malicious pickle or shipped
+code is refused (or ignored) without running."""
 
 import io
 import os
@@ -72,3 +73,50 @@ def test_pickled_weight_is_refused_before_loading(tmp_path):
 def test_clean_archive_loads():
     ep = load_program(_archive({}))
     assert isinstance(ep, torch.export.ExportedProgram)
+
+
+def _hf_dir(tmp_path, safetensors: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    d = tmp_path / "model"
+    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=safetensors)
+    return d
+
+
+def test_hf_directory_with_only_pickled_weights_is_refused_without_unpickling(tmp_path):
+    from kiln.errors import FailedPrecondition
+    from kiln.hf import load_hf_directory
+
+    marker = tmp_path / "pwned"
+    d = _hf_dir(tmp_path, safetensors=True)
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    (d / "pytorch_model.bin").write_bytes(_pickled(marker))
+    with pytest.raises(FailedPrecondition, match="pickled"):
+        load_hf_directory(d)
+    assert not marker.exists()
+
+
+def test_hf_directory_code_and_pickles_beside_safetensors_never_run(tmp_path):
+    """A directory that ships a modeling file and a malicious .bin next to real safetensors:
+    kiln loads the safetensors, and neither the code nor the pickle runs."""
+    import json
+
+    from kiln.errors import FailedPrecondition
+    from kiln.hf import load_hf_directory
+
+    marker = tmp_path / "pwned"
+    d = _hf_dir(tmp_path, safetensors=True)
+    (d / "pytorch_model.bin").write_bytes(_pickled(marker))
+    (d / "modeling_evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    module, kwargs = load_hf_directory(d)
+    assert module(**kwargs).shape[-1] == 100  # the real model, from safetensors
+    assert not marker.exists()
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.Model"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FailedPrecondition, match="custom code"):
+        load_hf_directory(d)
+    assert not marker.exists()
