@@ -17,6 +17,7 @@ import torch
 
 import kiln
 from kiln import farm as farm_mod
+from kiln import trace_view
 from kiln.errors import FailedPrecondition, Unavailable
 from kiln.examples import Encoder, mlp_example
 from kiln.s3local import SeaweedS3
@@ -91,6 +92,12 @@ def test_second_compile_from_another_client_does_no_stage_work(farm):
     assert torch.allclose(first(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
     before = settle(farm, "codegen.Emit", 1)
     assert before["optimizer.search"] >= 1 and before["codegen.emit"] >= 1 and before["importer.lower"] >= 1
+    # the replicas' spans of this compile share its trace, named by service in `kiln trace`
+    compiled = [t for t in trace_view.traces(spans(farm)) if {"kiln-importer", "kiln-optimizer", "kiln-codegen",
+                                                                "kiln-executor"} <= set(t["services"])]
+    assert compiled, [t["services"] for t in trace_view.traces(spans(farm))]
+    tree = trace_view.render_tree(trace_view.select(spans(farm), compiled[-1]["trace_id"]))
+    assert "[kiln-optimizer]" in tree and "optimizer.iteration" in tree and "[kiln-codegen]" in tree
 
     again = kiln.compile(model, inputs, pipeline=pipeline_for(farm), candidates=1)
     after = settle(farm, "codegen.Emit", before["codegen.Emit"] + 1)
