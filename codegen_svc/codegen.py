@@ -13,9 +13,10 @@ from kiln.store import BlobStore
 from kiln.telemetry import current_span, span
 from kiln.v1 import ir_pb2
 from codegen_svc.emit_cpu import emit_cpu
+from codegen_svc.emit_cuda import emit_cuda
 
 STAGE_VERSION = "codegen-1-" + cache.code_version("codegen_svc", "kiln.ir")
-TARGETS = ("cpu",)
+TARGETS = {"cpu": emit_cpu, "cuda": emit_cuda}
 
 
 def emit(store: BlobStore, kg_d: Digest, target: str = "cpu", deadline: Optional[float] = None
@@ -34,7 +35,7 @@ def emit(store: BlobStore, kg_d: Digest, target: str = "cpu", deadline: Optional
         except ValueError as e:
             raise InvalidArgument(f"kernel graph {kg_d} is malformed: {e}") from e
         with span("codegen.emit", **{"kiln.kernel_graph": str(kg_d), "kiln.target": target}) as s:
-            prog = emit_cpu(kg)
+            prog = TARGETS[target](kg)
             s.set_attribute("kiln.kernels", len(prog.kernels))
         g = kg.graph
         bundle = ir_pb2.Bundle(target=target, module_source=prog.module_source, entry=prog.entry,

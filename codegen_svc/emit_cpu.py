@@ -171,7 +171,7 @@ def kernel_module(function_source: str, consts: dict) -> tuple[str, str]:
 
 
 @dataclass(frozen=True)
-class CpuProgram:
+class Program:
     kernels: tuple[EmittedKernel, ...]
     module_source: str  # the entry module
     entry: str
@@ -482,6 +482,10 @@ class _KernelWriter:
             idx.append(f"i{k}")
             depth += 1
         return lines, idx, depth
+
+    @staticmethod
+    def checked_index(pad: str, size, op: str) -> list[str]:
+        return _checked_index(pad, size, op)
 
     def signature(self) -> str:
         return ", ".join(["out"] + [self.reads[j] for j in self.k.reads] + self.symbols() + [THREADS_ARG])
@@ -1064,7 +1068,7 @@ class _KernelWriter:
         lines, idx, depth = self.loops(n.shape)
         pad = "    " * depth
         lines += self.statement(pad, lambda: f"j = np.int64({self.value(index, tuple(idx))})")
-        lines += _checked_index(pad, src_shape[n.axis], "Gather")
+        lines += self.checked_index(pad, src_shape[n.axis], "Gather")
         sidx = list(idx)
         sidx[n.axis] = "j"
         lines += self.statement(pad, lambda: _at("out", self.flat(n.shape, idx)) + " = "
@@ -1082,7 +1086,7 @@ class _KernelWriter:
         lines += loops
         pad = "    " * d2
         lines += self.statement(pad, lambda: f"j = np.int64({self.value(index, tuple(sidx))})")
-        lines += _checked_index(pad, n.shape[n.axis], "Scatter")
+        lines += self.checked_index(pad, n.shape[n.axis], "Scatter")
         oidx = list(sidx)
         oidx[n.axis] = "j"
         lines += self.statement(pad, lambda: _at("out", self.flat(n.shape, oidx)) + " = "
@@ -1166,7 +1170,15 @@ def graph_symbols(g: Graph) -> list[str]:
     return sorted(found)
 
 
-def emit_cpu(kg: KernelGraph) -> CpuProgram:
+def emit_cpu(kg: KernelGraph) -> Program:
+    return emit_program(kg, _KernelWriter, kernel_module, HEADER, "@njit(cache=True, nogil=True)", "np.empty",
+                        ".copy()")
+
+
+def emit_program(kg: KernelGraph, writer, module_of, header: str, entry_decorator: str, alloc: str,
+                 copy: str) -> Program:
+    """Each kernel's module (written by `writer`, wrapped by `module_of`) and the entry module,
+    which allocates the memory plan's buffers with `alloc` and calls the kernels in order."""
     g = kg.graph
     plan = plan_memory(kg)
     kernels = []
@@ -1175,18 +1187,20 @@ def emit_cpu(kg: KernelGraph) -> CpuProgram:
             continue
         with span("codegen.kernel", **{"kiln.kernel": k.name, "kiln.kind": k.kind}) as ks:
             consts: dict = {}
-            symbol, text = kernel_module(_KernelWriter(kg, k, consts).emit(), consts)
+            symbol, text = module_of(writer(kg, k, consts).emit(), consts)
             kernels.append(EmittedKernel(k.name, k.kind, text, symbol))
             ks.set_attribute("kiln.source", str(digest_bytes(text.encode())))
             ks.set_attribute("kiln.parallel", bool(k.parallel))
     imports = "\n".join(sorted({f"from {k.module} import {k.symbol}" for k in kernels}))
-    module = HEADER + imports + "\n\n\n" + _emit_entry(kg, plan, [k.symbol for k in kernels])
+    module = header + imports + "\n\n\n" + _emit_entry(kg, plan, [k.symbol for k in kernels], entry_decorator,
+                                                        alloc, copy)
     outputs = tuple(TensorSpec(name or f"out{i}", g.nodes[o].shape, g.nodes[o].dtype)
                     for i, (o, name) in enumerate(zip(g.outputs, list(g.output_names) + [""] * len(g.outputs))))
-    return CpuProgram(tuple(kernels), module, "run_graph", plan, outputs)
+    return Program(tuple(kernels), module, "run_graph", plan, outputs)
 
 
-def _emit_entry(kg: KernelGraph, plan: MemoryPlan, symbols: list[str]) -> str:
+def _emit_entry(kg: KernelGraph, plan: MemoryPlan, symbols: list[str], decorator: str, alloc: str,
+                copy: str) -> str:
     g = kg.graph
     args = [f"in{i}" for i in range(len(g.inputs))] + [f"w{i}" for i in range(len(g.weights))]
     buf: dict[int, str] = {}
@@ -1202,10 +1216,10 @@ def _emit_entry(kg: KernelGraph, plan: MemoryPlan, symbols: list[str]) -> str:
     if missing:
         raise FailedPrecondition(f"graph uses symbols {sorted(missing)} that its inputs do not define")
     syms = [SYMBOL_PREFIX + s for s in syms] + [THREADS_ARG]  # passed on to every kernel
-    lines = ["@njit(cache=True, nogil=True)", f"def run_graph({', '.join(args + syms)}):"]
+    lines = ([decorator] if decorator else []) + [f"def run_graph({', '.join(args + syms)}):"]
     # bind symbolic dims from the input shapes
     for slot in plan.slots:
-        lines.append(f"    s{slot.slot} = np.empty({_d(slot.elements)}, dtype={_NP[slot.dtype]})")
+        lines.append(f"    s{slot.slot} = {alloc}({_d(slot.elements)}, dtype={_NP[slot.dtype]})")
     outs = set(g.outputs)
     out_buf: dict[int, str] = {}
     for o in g.outputs:
@@ -1213,7 +1227,7 @@ def _emit_entry(kg: KernelGraph, plan: MemoryPlan, symbols: list[str]) -> str:
             continue
         name = f"o{len(out_buf)}"
         out_buf[o] = name
-        lines.append(f"    {name} = np.empty({_d(numel(g.nodes[o].shape))}, dtype={_NP[g.nodes[o].dtype]})")
+        lines.append(f"    {name} = {alloc}({_d(numel(g.nodes[o].shape))}, dtype={_NP[g.nodes[o].dtype]})")
     for i, s in plan.node_slot.items():
         buf[i] = f"s{s}"
     buf.update(out_buf)
@@ -1224,6 +1238,6 @@ def _emit_entry(kg: KernelGraph, plan: MemoryPlan, symbols: list[str]) -> str:
         lines.append(f"    {symbol}({', '.join([buf[k.output]] + [buf[j] for j in k.reads] + syms)})  # {k.name}")
     rets = []
     for o in g.outputs:
-        rets.append(f"{buf[o]}.copy()" if g.nodes[o].op in (Op.INPUT, Op.WEIGHT) else buf[o])
+        rets.append(f"{buf[o]}{copy}" if g.nodes[o].op in (Op.INPUT, Op.WEIGHT) else buf[o])
     lines.append(f"    return ({', '.join(rets)},)")
     return "\n".join(lines) + "\n"

@@ -37,6 +37,16 @@ from kiln.v1 import ir_pb2
 MAX_SESSIONS = 64  # least recently used sessions beyond this are evicted
 
 
+def cuda_device():
+    """numba.cuda, when this process has a CUDA device (or numba's simulator: NUMBA_ENABLE_CUDASIM=1)."""
+    from numba import cuda
+
+    if not cuda.is_available():
+        raise FailedPrecondition("the bundle targets cuda and this executor has no CUDA device "
+                                 "(NUMBA_ENABLE_CUDASIM=1 runs numba's simulator)")
+    return cuda
+
+
 def session_memory_budget() -> int:
     """Bytes one session may hold: weights, inputs, intermediates and outputs of a run
     (KILN_SESSION_MEMORY_MB; default half of this machine's memory)."""
@@ -177,6 +187,7 @@ class Session:
     lock: threading.Lock
     symbols: tuple[tuple[str, int, int], ...] = ()
     memory: Optional[MemoryNeed] = None  # checked per run when symbols size it
+    device: object = None  # numba.cuda for a cuda bundle (weights live on the device), else None
 
     def __post_init__(self):
         # a signature without symbols or 16-bit floats is checked and returned by plain
@@ -238,8 +249,10 @@ class Executor:
         """A session for the bundle with its weights bound, not yet registered."""
         with span("executor.load", **{"kiln.bundle": str(bundle_d), "kiln.manifest": str(manifest_d)}):
             bundle = self.store.get_message(bundle_d, ir_pb2.Bundle)
-            if bundle.target != "cpu":
-                raise FailedPrecondition(f"bundle {bundle_d} targets {bundle.target!r}; this executor runs cpu")
+            if bundle.target not in ("cpu", "cuda"):
+                raise FailedPrecondition(f"bundle {bundle_d} targets {bundle.target!r}; this executor runs cpu "
+                                         "and cuda")
+            device = cuda_device() if bundle.target == "cuda" else None
             try:
                 memory = MemoryNeed.of(bundle)
             except ValueError as e:
@@ -284,13 +297,15 @@ class Executor:
                     weights.append(kernel_array(np.ascontiguousarray(w).reshape(-1).copy()))
                 else:
                     weights.append(bound(spec))
+            if device is not None:  # uploaded once; every run of the session reads them there
+                weights = [device.to_device(w) for w in weights]
             mod = load_bundle_module(bundle_d, bundle)
             return Session(sid or session_id(bundle_d, manifest_d), bundle_d, getattr(mod, bundle.entry),
                            tuple(tensor_spec_from_pb(t) for t in bundle.inputs),
                            tuple(tensor_spec_from_pb(t) for t in bundle.outputs),
                            tuple(weights), threading.Lock(),
                            tuple((s.name, s.min, s.max) for s in bundle.symbols),
-                           memory if bundle.symbols else None)
+                           memory if bundle.symbols else None, device)
 
     def load(self, bundle_d: Digest, manifest_d: Digest) -> str:
         s = self.open(bundle_d, manifest_d)
@@ -334,10 +349,14 @@ class Executor:
                 s.memory.check(env, "a run with " + ", ".join(f"{k}={v}" for k, v in sorted(env.items())))
         with child_span("executor.run", **{"kiln.session": s.id, "kiln.bundle": str(s.bundle)}):
             with s.lock:  # buffers in the entry are per call, but numba's first call compiles
+                if s.device is not None:
+                    args = [s.device.to_device(np.ascontiguousarray(a)) for a in args]
                 try:
                     outs = s.entry(*args, *s.weights, *sym_args, pool_threads())
                 except IndexError as e:  # raised by generated Gather/Scatter bounds checks
                     raise InvalidArgument(f"an input holds an out-of-range index: {e}") from e
+                if s.device is not None:
+                    outs = [o.copy_to_host() for o in outs]
         if s.static_outputs is not None:
             return [(name, (o if o.dtype == dtype else o.view(dtype)).reshape(shape))
                     for (name, dtype, shape), o in zip(s.static_outputs, outs)]

@@ -17,6 +17,8 @@ os.environ["KILN_TRACE_FILE"] = str(_TMP / "traces.jsonl")
 # compiles in tests take the cost model's pick: timing 8 schedule candidates (each a compile
 # of its kernels) per model would double the suite; tests/test_candidates.py times candidates
 os.environ["KILN_CANDIDATES"] = "1"
+# the cuda target runs under numba's CUDA simulator unless told otherwise (numba reads this at import)
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 os.environ["KILN_STORE"] = f"file://{_TMP / 'store'}"
 for _s in ("IMPORTER", "OPTIMIZER", "CODEGEN", "EXECUTOR"):
     os.environ.pop(f"KILN_{_s}_ADDR", None)
