@@ -1,8 +1,9 @@
 """Calibrate: measure the constants of the optimizer's roofline cost model on this target.
 
 A TargetProfile holds GEMM GFLOP/s per shape class (BLAS through numba, as generated GEMM
-kernels call it), streaming memory bandwidth, elementwise throughput and the fixed cost of
-one kernel (a parallel region with almost no work). It is measured once per target
+kernels call it; on cuda, the generated kernels' shared-memory tile), streaming memory bandwidth,
+elementwise throughput and the fixed cost of one kernel (a parallel region, or a launch, with
+almost no work). It is measured once per target
 fingerprint (target, CPU model, core count, numba and numpy versions) and kept in the store
 under an action-cache key, so every replica on the same kind of node shares it.
 """
@@ -45,6 +46,8 @@ def fingerprint(target: str) -> str:
     except OSError:
         pass
     text = f"{target}|{cpu}|{os.cpu_count()}|numba {numba.__version__}|numpy {np.__version__}"
+    if target == "cuda":
+        text += "|" + _gpu_name()
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -58,9 +61,73 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _gpu_name() -> str:
+    from executor_svc.executor import cuda_device
+
+    cuda = cuda_device()
+    if _simulated():
+        return "numba CUDA simulator"
+    dev = cuda.get_current_device()
+    name = dev.name.decode() if isinstance(dev.name, bytes) else dev.name
+    return f"{name} cc{dev.compute_capability}"
+
+
+def _simulated() -> bool:
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+def measure_cuda(repeats: int = 7) -> services_pb2.TargetProfile:
+    """The cuda target's constants, with kernels shaped as codegen_svc/emit_cuda.py writes them:
+    a 16x16 shared-memory GEMM tile per block, one thread per element for the stream, an empty
+    launch for the fixed cost. Under numba's simulator the shapes are tiny (the numbers then say
+    nothing about a GPU; the profile's fingerprint names the simulator)."""
+    import math
+
+    from executor_svc.executor import cuda_device
+
+    cuda = cuda_device()
+    from executor_svc.cuda_probes import TILE as T, gemm, tiny, triad
+
+    small = _simulated()
+
+    def timed(fn) -> float:
+        def run():
+            fn()
+            cuda.synchronize()
+        return _median_seconds(run, 1 if small else repeats)
+
+    t0 = time.perf_counter()
+    p = services_pb2.TargetProfile(target="cuda", fingerprint=fingerprint("cuda"))
+    rng = np.random.default_rng(0)
+    for name, m, n, k in GEMM_CLASSES:
+        if small:
+            m, n, k = min(m, 16), min(n, 16), min(k, 16)
+        a = cuda.to_device(rng.standard_normal((m, k), dtype=np.float32))
+        b = cuda.to_device(rng.standard_normal((k, n), dtype=np.float32))
+        c = cuda.device_array((m, n), np.float32)
+        grid = (math.ceil(n / T), math.ceil(m / T))
+        s = timed(lambda: gemm[grid, (T, T)](a, b, c))
+        p.gemm.add(shape_class=name, m=m, n=n, k=k, gflops=2.0 * m * n * k / s / 1e9)
+    elements = 1 << 8 if small else STREAM_ELEMENTS
+    x, y = cuda.to_device(np.ones(elements, np.float32)), cuda.to_device(np.ones(elements, np.float32))
+    z = cuda.device_array(elements, np.float32)
+    s = timed(lambda: triad[math.ceil(elements / 256), 256](x, y, z))
+    p.bandwidth_gbs = 12.0 * elements / s / 1e9
+    p.elementwise_gelems = p.cached_gelems = elements / s / 1e9
+    one = cuda.device_array(1, np.float32)
+    p.kernel_overhead_us = p.serial_overhead_us = timed(lambda: tiny[1, 1](one)) * 1e6
+    p.threads = 1 if small else cuda.get_current_device().MULTIPROCESSOR_COUNT
+    p.measured_s = time.perf_counter() - t0
+    return p
+
+
 def measure(target: str = "cpu", repeats: int = 7) -> services_pb2.TargetProfile:
+    if target == "cuda":
+        return measure_cuda(repeats)
     if target != "cpu":
-        raise FailedPrecondition(f"this executor calibrates the cpu target, not {target!r}")
+        raise FailedPrecondition(f"this executor calibrates the cpu and cuda targets, not {target!r}")
     from numba import get_num_threads, njit, prange
 
     @njit(cache=False, nogil=True)

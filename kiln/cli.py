@@ -344,7 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-seq-len", type=int, default=None,
                    help="make the sequence dim symbolic up to this length (Hugging Face directories)")
     c.add_argument("--no-search", action="store_true", help="skip equality saturation (one kernel per op)")
-    c.add_argument("--target", default="cpu")
+    c.add_argument("--target", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu (numba) or cuda (numba.cuda kernels; the executor needs a device, or "
+                   "NUMBA_ENABLE_CUDASIM=1)")
     c.add_argument("--predict", action="store_true",
                    help="calibrate the target (once per machine kind) and report the predicted run time")
     c.add_argument("--candidates", type=int, default=None,
@@ -354,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_compile)
     cal = sub.add_parser("calibrate", help="measure the target's cost-model constants (GEMM rates, bandwidth, "
                                            "kernel overhead); kept in the store per target fingerprint")
-    cal.add_argument("--target", default="cpu")
+    cal.add_argument("--target", default="cpu", choices=["cpu", "cuda"])
     cal.add_argument("--force", action="store_true", help="measure again even if the store has a profile")
     cal.set_defaults(fn=cmd_calibrate)
     o = sub.add_parser("ops", help="list the ATen ops a model needs and which have no lowering (no compile)")

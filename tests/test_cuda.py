@@ -155,3 +155,26 @@ def test_cuda_over_grpc_and_half_precision_refused(remote_pipeline):
     half = torch.nn.Linear(4, 3).to(torch.float16)
     with pytest.raises(FailedPrecondition, match="16-bit"):
         _cuda(half, (torch.randn(2, 4, dtype=torch.float16),), remote_pipeline)
+
+
+def test_calibrate_and_profile_run_on_the_device(local_pipeline):
+    """Calibrate measures the cuda target with the kernels it emits, under its own fingerprint;
+    Profile times cuda bundles on the device (a compile's candidates are timed this way; under the
+    simulator a timed compile takes minutes, so the test times two schedules of one program)."""
+    from executor_svc.calibrate import GEMM_CLASSES, fingerprint
+
+    _, profile = local_pipeline.calibrate("cuda")
+    assert profile.target == "cuda" and profile.fingerprint == fingerprint("cuda") != fingerprint("cpu")
+    assert [g.shape_class for g in profile.gemm] == [c[0] for c in GEMM_CLASSES]
+    assert all(g.gflops > 0 for g in profile.gemm)
+    assert profile.bandwidth_gbs > 0 and profile.kernel_overhead_us > 0
+    w = torch.randn(8, 4)
+    model, inputs = Fn(lambda x: torch.softmax(torch.relu(x @ w), -1)), (torch.randn(3, 8),)
+    searched = _cuda(model, inputs, local_pipeline)
+    plain = kiln.compile(model, inputs, target="cuda", pipeline=local_pipeline, search=False)
+    bundles = [searched.result.bundle, plain.result.bundle]
+    assert bundles[0] != bundles[1] and searched.result.kernels < plain.result.kernels
+    timings = local_pipeline.profile(bundles, searched.result.manifest, repeats=2)
+    assert [t[0] for t in timings] == bundles and all(t[1] > 0 and t[2] > 0 for t in timings)
+    with torch.no_grad():
+        assert torch.allclose(plain(*inputs), model(*inputs), **TOL)
