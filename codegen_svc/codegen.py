@@ -13,19 +13,28 @@ from kiln.store import BlobStore
 from kiln.telemetry import current_span, span
 from kiln.v1 import ir_pb2
 from codegen_svc.emit_cpu import emit_cpu
-from codegen_svc.emit_cuda import emit_cuda
+from codegen_svc.emit_cuda import BLOCK as CUDA_BLOCK, TILE as CUDA_TILE, check_launch, emit_cuda
 
 STAGE_VERSION = "codegen-1-" + cache.code_version("codegen_svc", "kiln.ir")
-TARGETS = {"cpu": emit_cpu, "cuda": emit_cuda}
+TARGETS = ("cpu", "cuda")
 
 
-def emit(store: BlobStore, kg_d: Digest, target: str = "cpu", deadline: Optional[float] = None
-         ) -> tuple[Digest, int, int]:
-    """Returns (bundle digest, kernel count, peak bytes)."""
+def emit(store: BlobStore, kg_d: Digest, target: str = "cpu", deadline: Optional[float] = None,
+         block: int = 0, tile: int = 0) -> tuple[Digest, int, int]:
+    """Returns (bundle digest, kernel count, peak bytes). `block` and `tile` shape a cuda
+    program's launches (0: the defaults)."""
     target = target or "cpu"
     if target not in TARGETS:
         raise FailedPrecondition(f"unknown target {target!r}; this codegen emits for {', '.join(TARGETS)}")
-    key = cache.action_key("emit", STAGE_VERSION, {"kernel_graph": kg_d}, {"target": target})
+    options: dict = {"target": target}
+    if target == "cuda":
+        block, tile = block or CUDA_BLOCK, tile or CUDA_TILE
+        check_launch(block, tile)
+        if (block, tile) != (CUDA_BLOCK, CUDA_TILE):
+            options.update(block=block, tile=tile)
+    elif block or tile:
+        raise InvalidArgument(f"launch shapes (block, tile) are for the cuda target, not {target!r}")
+    key = cache.action_key("emit", STAGE_VERSION, {"kernel_graph": kg_d}, options)
     with cache.flight(store, key, deadline) as hit:  # one replica does it; the others wait
         if hit is not None:
             b = store.get_message(hit["bundle"], ir_pb2.Bundle)
@@ -35,7 +44,7 @@ def emit(store: BlobStore, kg_d: Digest, target: str = "cpu", deadline: Optional
         except ValueError as e:
             raise InvalidArgument(f"kernel graph {kg_d} is malformed: {e}") from e
         with span("codegen.emit", **{"kiln.kernel_graph": str(kg_d), "kiln.target": target}) as s:
-            prog = TARGETS[target](kg)
+            prog = emit_cuda(kg, block, tile) if target == "cuda" else emit_cpu(kg)
             s.set_attribute("kiln.kernels", len(prog.kernels))
         g = kg.graph
         bundle = ir_pb2.Bundle(target=target, module_source=prog.module_source, entry=prog.entry,

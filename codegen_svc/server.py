@@ -19,5 +19,6 @@ class CodegenServicer(services_pb2_grpc.CodegenServicer):
     @rpc
     def Emit(self, request, context):
         with span("codegen.Emit"):
-            d, n, peak = emit(self.store, Digest.from_pb(request.kernel_graph), request.target, deadline_of(context))
+            d, n, peak = emit(self.store, Digest.from_pb(request.kernel_graph), request.target, deadline_of(context),
+                              request.block, request.tile)
         return services_pb2.EmitResponse(bundle=d.to_pb(), kernels=n, peak_bytes=peak)

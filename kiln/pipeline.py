@@ -39,6 +39,8 @@ def default_candidates() -> int:
 
 
 CHOOSE_REPEATS = 20
+# cuda launch shapes (threads per block, GEMM tile) timed besides the default (128, 16)
+CUDA_LAUNCH_SHAPES = ((256, 16), (64, 8), (128, 32))
 CHOOSE_VERSION = "choose-2"
 
 
@@ -51,6 +53,18 @@ class CompileResult:
     report: services_pb2.OptimizeReport
     kernels: int
     peak_bytes: int
+
+
+def _with_launch_shapes(report: services_pb2.OptimizeReport) -> services_pb2.OptimizeReport:
+    """The report with its first (best predicted) candidate added once per other cuda launch shape."""
+    out = services_pb2.OptimizeReport()
+    out.CopyFrom(report)
+    for block, tile in CUDA_LAUNCH_SHAPES:
+        c = out.candidates.add()
+        c.CopyFrom(report.candidates[0])
+        c.block, c.tile = block, tile
+        c.schedule = f"{c.schedule} block={block} tile={tile}".strip()
+    return out
 
 
 def _stream(method, request, timeout: Optional[float]):
@@ -156,14 +170,17 @@ class Pipeline:
 
         return optimize(self.store, graph, options_from_request(req))
 
-    def emit(self, kernel_graph: Digest, target: str = "cpu") -> tuple[Digest, int, int]:
+    def emit(self, kernel_graph: Digest, target: str = "cpu", block: int = 0, tile: int = 0
+             ) -> tuple[Digest, int, int]:
+        """`block` and `tile`: a cuda program's launch shape (0: the defaults)."""
         if "codegen" in self.addresses:
             r = _call(self._stub("codegen").Emit,
-                      services_pb2.EmitRequest(kernel_graph=kernel_graph.to_pb(), target=target), self.timeout)
+                      services_pb2.EmitRequest(kernel_graph=kernel_graph.to_pb(), target=target, block=block,
+                                               tile=tile), self.timeout)
             return Digest.from_pb(r.bundle), r.kernels, r.peak_bytes
         from codegen_svc.codegen import emit
 
-        return emit(self.store, kernel_graph, target)
+        return emit(self.store, kernel_graph, target, None, block, tile)
 
     def load(self, bundle: Digest, manifest: Digest) -> str:
         if "executor" in self.addresses:
@@ -245,9 +262,12 @@ class Pipeline:
                 target_profile = self.calibrate(target)[0] if candidates > 1 else self.known_profile(target)
             kg, report = self.optimize(graph, search=search, target_profile=target_profile,
                                        candidates=candidates if search else 1)
+            launch = (0, 0)
             if len(report.candidates) > 1:
                 kg, report = self.choose(report, manifest, target, target_profile)
-            bundle, kernels, peak = self.emit(kg, target)
+                chosen = next(c for c in report.candidates if c.chosen)
+                launch = (chosen.block, chosen.tile)
+            bundle, kernels, peak = self.emit(kg, target, *launch)
         return CompileResult(graph, manifest, kg, bundle, report, kernels, peak)
 
     def choose(self, report: services_pb2.OptimizeReport, manifest: Digest, target: str,
@@ -257,9 +277,11 @@ class Pipeline:
         A choice is recorded in the action cache per target fingerprint, so it is made once."""
         fingerprint = (self.store.get_message(target_profile, services_pb2.TargetProfile).fingerprint
                        if target_profile is not None else "")
+        if target == "cuda":  # the best predicted program again, under each other launch shape
+            report = _with_launch_shapes(report)
         kgs = [Digest.from_pb(c.kernel_graph) for c in report.candidates]
         # keyed by the emitted bundles: new generated code is timed again (emit is cached)
-        bundles = [self.emit(d, target)[0] for d in kgs]
+        bundles = [self.emit(d, target, c.block, c.tile)[0] for d, c in zip(kgs, report.candidates)]
         key = cache.action_key("choose", CHOOSE_VERSION, {f"candidate{i}": d for i, d in enumerate(bundles)},
                                {"target": target, "fingerprint": fingerprint})
         hit = cache.lookup(self.store, key)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kiln
+from kiln.digest import Digest
 from kiln.errors import FailedPrecondition, InvalidArgument
 from kiln.examples import Encoder, mlp_example
 from kiln.ir.builder import GraphBuilder
@@ -145,6 +146,27 @@ def test_weights_are_uploaded_once_per_session(local_pipeline):
     before = [id(w) for w in session.weights]
     compiled(*inputs)
     assert [id(w) for w in session.weights] == before
+
+
+def test_launch_shapes_are_timed_candidates_and_the_fastest_is_kept(local_pipeline):
+    """On cuda, a timed compile also times the best predicted program under other launch shapes
+    (threads per block, GEMM tile) and keeps the fastest of all; the bundle is emitted with it."""
+    w = torch.randn(8, 4)
+    model, inputs = Fn(lambda x: torch.softmax(torch.relu(x @ w), -1)), (torch.randn(3, 8),)
+    compiled = kiln.compile(model, inputs, target="cuda", pipeline=local_pipeline, candidates=2)
+    cands = compiled.result.report.candidates
+    shapes = {(c.block, c.tile) for c in cands}
+    assert {(0, 0), (256, 16), (64, 8), (128, 32)} <= shapes and all(c.measured_s > 0 for c in cands)
+    chosen = next(c for c in cands if c.chosen)
+    assert chosen.measured_s == min(c.measured_s for c in cands)
+    emitted = local_pipeline.emit(Digest.from_pb(chosen.kernel_graph), "cuda", chosen.block, chosen.tile)[0]
+    assert compiled.result.bundle == emitted
+    with torch.no_grad():
+        assert torch.allclose(compiled(*inputs), model(*inputs), **TOL)
+    with pytest.raises(InvalidArgument, match="block is one of"):
+        local_pipeline.emit(compiled.result.kernel_graph, "cuda", 100, 16)
+    with pytest.raises(InvalidArgument, match="for the cuda target"):
+        local_pipeline.emit(compiled.result.kernel_graph, "cpu", 128, 16)
 
 
 def test_cuda_over_grpc_and_half_precision_refused(remote_pipeline):
