@@ -72,7 +72,15 @@ def test_attention_kernel(local_pipeline):
     mask[:, 7:] = float("-inf")
     compiled = _cuda(Fn(fn), (q, k, v, mask), local_pipeline)
     assert "attention" in _kinds(local_pipeline, compiled)
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+    source = next(k.source for k in bundle.kernels if k.kind == "attention")
+    assert "Ksh = cuda.shared.array((32, 8)" in source and "Vsh = cuda.shared.array((32, 8)" in source
     assert torch.allclose(compiled(q, k, v, mask), fn(q, k, v, mask), **TOL)
+    # 40 keys: more than one tile of K and of V, the last one ragged
+    k2, v2, mask2 = torch.randn(2, 3, 40, 8), torch.randn(2, 3, 40, 8), torch.zeros(9, 40)
+    mask2[:, 33:] = float("-inf")
+    compiled = _cuda(Fn(fn), (q, k2, v2, mask2), local_pipeline)
+    assert torch.allclose(compiled(q, k2, v2, mask2), fn(q, k2, v2, mask2), **TOL)
 
 
 def test_scatter_kernel(local_pipeline):
