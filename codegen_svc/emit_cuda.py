@@ -7,8 +7,9 @@ what changes is who runs the loops:
   row kernels, per output element for reductions, which loop over their axis), BLOCK threads a
   block;
 - GEMMs: a TILE x TILE block of threads per TILE x TILE tile of C (per batch index), A's and B's
-  tiles staged through shared memory; an epilogue that reads C at its own element runs in the
-  same thread on the accumulator, any other epilogue is a second launch over C;
+  tiles staged through shared memory; an epilogue that reads C only at its own element (through
+  reshapes at most) runs in the same thread on the accumulator, any other is a second launch
+  over C;
 - attention: a block of query rows, one thread each, walking the keys in tiles of K and then of V
   staged in shared memory: each thread's scores and probabilities in thread-local arrays (the
   row kernel's reductions over them), then its row of P·V;
@@ -25,7 +26,8 @@ from __future__ import annotations
 from typing import Optional
 
 from kiln.errors import FailedPrecondition, InvalidArgument
-from kiln.ir.kernel import KERNEL_PLACEHOLDER, Kernel, KernelGraph, gemm_axes, gemm_dims, kernel_gemm, view_root
+from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, flat_preserving, gemm_axes, gemm_dims,
+                             kernel_gemm)
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import evaluate_dim, numel
 from codegen_svc.emit_cpu import Program, _KernelWriter, _at, _d, _syms, emit_program, name_kernel
@@ -211,15 +213,21 @@ class _CudaKernelWriter(_KernelWriter):
         return {"b": unravel(b, gm.batch_axes), "m": unravel(m, gm.m_axes), "n": unravel(n, gm.n_axes)}
 
     def _reads_only_at_own_element(self, gi: int) -> bool:
-        """Whether the kernel's nodes read the GEMM's result only directly (no view of it), so
-        the thread that computes C's element can apply the epilogue to it."""
+        """Whether the epilogue reads C only at the output element's own flat position (every
+        view on the way from C to the output is a reshape), so the thread that computes C's
+        element can finish the output element too."""
         g = self.g
-        if tuple(g.nodes[self.k.output].shape) != tuple(g.nodes[gi].shape):
+        if numel(g.nodes[self.k.output].shape) != numel(g.nodes[gi].shape):
             return False
-        for q in self.k.nodes:
-            for x in g.nodes[q].inputs:
-                if x != gi and view_root(g, x)[0] == gi:
-                    return False
+        inside = set(self.k.nodes) | {self.k.output}
+        after: set[int] = {gi}  # nodes whose value depends on C
+        for q in sorted(inside):
+            n = g.nodes[q]
+            if q == gi or not any(x in after for x in n.inputs):
+                continue
+            after.add(q)
+            if n.op is Op.VIEW and not flat_preserving(n.view, g.nodes[n.inputs[0]].shape):
+                return False
         return True
 
     def emit_gemm_cuda(self) -> None:
@@ -255,8 +263,13 @@ class _CudaKernelWriter(_KernelWriter):
         grid = f"(({_d(Nt)} + {T - 1}) // {T}, ({_d(Mt)} + {T - 1}) // {T}, {_d(Bt)})"
         out = g.nodes[k.output]
         if self._reads_only_at_own_element(gi):
-            oidx = self._mul_index(F, ka, groups, "0", ("b", "m", "n"))  # the GEMM node's index (axis k is 1)
+            gidx = self._mul_index(F, ka, groups, "0", ("b", "m", "n"))  # the GEMM node's index (axis k is 1)
             self.row_values[gi] = "acc"
+            if tuple(out.shape) == tuple(r.shape):
+                oidx = gidx
+            else:  # a reshaped output: the same flat position
+                lines.append("        f = " + self.flat(r.shape, gidx))
+                oidx = tuple(self.unravel("f", out.shape))
             lines += self.statement(" " * 8, lambda: _at("out", self.flat(out.shape, oidx)) + " = "
                                     f"{self.store(out.dtype, self.value(k.output, oidx))}")
             self.launches.append(_Launch("d0", self.device_params(), lines, grid, f"({T}, {T})",
