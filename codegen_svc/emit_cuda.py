@@ -48,7 +48,7 @@ from numba import cuda
 '''
 
 EXP2 = '''
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True)
 def _exp2(x):
     return math.pow(np.float32(2.0), x)
 '''
@@ -338,7 +338,9 @@ class _CudaKernelWriter(_KernelWriter):
             return self.emit_attention_rows()
         g = self.g
         ks_n, np_n = evaluate_dim(Ks, {}), evaluate_dim(Np, {})
-        TQ, TK = self.tile, ATTENTION_KEYS
+        # query rows per block: the search's attention tile (Node.schedule /tile=) when it chose
+        # one, else the launch shape's tile
+        TQ, TK = self.k.tile or self.tile, ATTENTION_KEYS
         zero = self.const(0.0, g.nodes[gs].dtype)
         q_groups = self._groups(Fs, sa, "bi", "mq", "0")
         k_groups = self._groups(Fs, sa, "bi", "0", "kj")
