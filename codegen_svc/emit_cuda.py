@@ -23,6 +23,7 @@ of range sets a flag that the launcher turns into IndexError, as the CPU kernels
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from kiln.errors import FailedPrecondition, InvalidArgument
@@ -60,9 +61,15 @@ def cuda_kernel_module(function_source: str, consts: dict) -> tuple[str, str]:
     return name_kernel(HEADER + helpers + "\n" + const_lines + "\n\n\n" + function_source)
 
 
+@dataclass(frozen=True)
 class _Launch:
-    def __init__(self, name: str, params: list[str], body: list[str], grid: str, block: str, guard: str = ""):
-        self.name, self.params, self.body, self.grid, self.block, self.guard = name, params, body, grid, block, guard
+    """One device function and how its launcher calls it."""
+    name: str
+    params: list[str]
+    body: list[str]
+    grid: str  # host expressions, over the kernel's symbols
+    block: str
+    guard: str = ""  # launch only when this holds (a grid of zero blocks is an error)
 
 
 class _CudaKernelWriter(_KernelWriter):
