@@ -20,19 +20,9 @@ import torch
 
 import kiln
 from kiln.examples import Encoder
-from kiln.loadtest import concurrent_compiles, run_load
+from kiln.loadtest import concurrent_compiles, distinct_mlps, run_load
 
 STAGES = ("importer", "optimizer", "codegen", "executor")
-
-
-class Mlp(torch.nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.a = torch.nn.Linear(32, width)
-        self.b = torch.nn.Linear(width, 10)
-
-    def forward(self, x):
-        return torch.log_softmax(self.b(torch.nn.functional.gelu(self.a(x))), dim=-1)
 
 
 def start_server(store_dir: Path) -> tuple[subprocess.Popen, str]:
@@ -65,7 +55,7 @@ def main(argv=None) -> int:
             r = run_load(addr, compiled.session, [("x", x.numpy())], [expected], clients=args.clients,
                          seconds=args.seconds, server_pid=proc.pid)
             print("Run load:", r.summary())
-            models = [(Mlp(48 + 8 * i).eval(), (torch.randn(4, 32),)) for i in range(args.compiles)]
+            models = distinct_mlps(args.compiles, first_width=48)
             t0 = time.perf_counter()
             compiles = concurrent_compiles(addresses, store, models)
             wall = time.perf_counter() - t0

@@ -453,20 +453,25 @@ class _KernelWriter:
 
     # ---- kernel bodies ----
 
+    def index_of(self, flat: str, shape, skip_axis, pad: str) -> tuple[list[str], list]:
+        """The multi-index of `flat` in shape as named locals `i<k>` (lines at `pad`): "0" for
+        a dim of 1, None at skip_axis."""
+        lines, idx = [], []
+        for k, e in enumerate(self.unravel(flat, shape)):
+            if k == skip_axis or e == "0":
+                idx.append(None if k == skip_axis else "0")
+                continue
+            lines.append(pad + f"i{k} = {e}")
+            idx.append(f"i{k}")
+        return lines, idx
+
     def loops(self, shape, skip_axis=None, parallel=False, collapse=False):
         """Nested loops over shape (but skip_axis), the first of more than one iteration on the
         pool when parallel; collapsed: one pool loop over all their iterations, unravelled."""
         if parallel and collapse:
             looped = tuple(1 if k == skip_axis else d for k, d in enumerate(shape))
-            lines = [f"    for fi in prange({_d(numel(looped))}):"]
-            idx = []
-            for k, e in enumerate(self.unravel("fi", looped)):
-                if k == skip_axis or e == "0":
-                    idx.append(None if k == skip_axis else "0")
-                    continue
-                lines.append(f"        i{k} = {e}")
-                idx.append(f"i{k}")
-            return lines, idx, 2
+            lines, idx = self.index_of("fi", looped, skip_axis, "        ")
+            return [f"    for fi in prange({_d(numel(looped))}):"] + lines, idx, 2
         lines, idx, depth = [], [], 1
         first = True
         for k, d in enumerate(shape):
@@ -572,14 +577,8 @@ class _KernelWriter:
                   f"            rho = bi * {_d(Mt)} + m0 + r"]
         pad = " " * 12
         # the row kernel's index from its row number (its axis is the innermost one that is not 1)
-        row_shape = tuple(1 if j == a else d for j, d in enumerate(S))
-        idx = []
-        for j, e in enumerate(self.unravel("rho", row_shape)):
-            if j == a or e == "0":
-                idx.append(None if j == a else "0")
-                continue
-            lines.append(pad + f"i{j} = {e}")
-            idx.append(f"i{j}")
+        row_lines, idx = self.index_of("rho", tuple(1 if j == a else d for j, d in enumerate(S)), a, pad)
+        lines += row_lines
         # the scores are read only at the row's own elements (the partition checks it): the first
         # GEMM's value is the tile's row r at the loop's column (kept in f32, as in an epilogue)
         self.gemm_value = (gs, Fs, list(sa.batch_axes), list(sa.m_axes), list(sa.n_axes), "st[r, np.uint64({col})]")

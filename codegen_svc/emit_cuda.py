@@ -104,29 +104,14 @@ class _CudaKernelWriter(_KernelWriter):
         """One thread per index of shape (but skip_axis): the CPU writer's loop nest, flattened."""
         looped = tuple(1 if k == skip_axis else d for k, d in enumerate(shape))
         self.threads = numel(looped)
-        lines = ["    fi = cuda.grid(1)", f"    if fi >= {_d(self.threads)}:", "        return"]
-        idx = []
-        for k, e in enumerate(self.unravel("fi", looped)):
-            if k == skip_axis:
-                idx.append(None)
-            elif e == "0":
-                idx.append("0")
-            else:
-                lines.append(f"    i{k} = {e}")
-                idx.append(f"i{k}")
-        return lines, idx, 1
+        lines, idx = self.index_of("fi", looped, skip_axis, "    ")
+        return ["    fi = cuda.grid(1)", f"    if fi >= {_d(self.threads)}:", "        return"] + lines, idx, 1
 
     def block_loops(self, shape, pad: str):
         """A block-stride loop over shape: (lines, index, body pad)."""
-        lines = [pad + f"for fi in range(cuda.threadIdx.x, {_d(numel(shape))}, {self.block}):"]
-        idx = []
-        for k, e in enumerate(self.unravel("fi", shape)):
-            if e == "0":
-                idx.append("0")
-            else:
-                lines.append(pad + f"    i{k} = {e}")
-                idx.append(f"i{k}")
-        return lines, idx, pad + "    "
+        lines, idx = self.index_of("fi", shape, None, pad + "    ")
+        head = pad + f"for fi in range(cuda.threadIdx.x, {_d(numel(shape))}, {self.block}):"
+        return [head] + lines, idx, pad + "    "
 
     def device_params(self) -> list[str]:
         return ["out"] + [self.reads[j] for j in self.k.reads] + self.symbols()
@@ -313,14 +298,7 @@ class _CudaKernelWriter(_KernelWriter):
         g, k = self.g, self.k
         p, a = pa.a_root, k.axis
         S = g.nodes[p].shape
-        row_shape = tuple(1 if j == a else d for j, d in enumerate(S))
-        lines, idx = [], []
-        for j, e in enumerate(self.unravel(rows_var, row_shape)):
-            if j == a or e == "0":
-                idx.append(None if j == a else "0")
-                continue
-            lines.append(pad + f"i{j} = {e}")
-            idx.append(f"i{j}")
+        lines, idx = self.index_of(rows_var, tuple(1 if j == a else d for j, d in enumerate(S)), a, pad)
         self.gemm_value = (gs, Fs, list(sa.batch_axes), list(sa.m_axes), list(sa.n_axes), "st[np.uint64({col})]")
         self.row_col = "ra"
         lines += self.row_reductions(pad, tuple(idx), [q for q in k.nodes if q not in (gs, k.output)
@@ -332,6 +310,16 @@ class _CudaKernelWriter(_KernelWriter):
         lines += self.statement(pad + "    ", lambda: f"pt[ia] = {self.value(p, tuple(oidx))}")
         self.gemm_value = self.row_col = None
         return lines
+
+    def _stage(self, buf: str, width: int, keys, key: str, col: str, threads: int, load) -> list[str]:
+        """Inside the loop over key tiles (from k0): the block's threads copy keys k0.. (each a row
+        of `width` values, `load()` the value at key `key`, column `col`) into the shared `buf`."""
+        lines = [f"        for e in range(tq, {ATTENTION_KEYS * width}, {threads}):",
+                 f"            {key} = k0 + e // {width}",
+                 f"            {col} = e % {width}",
+                 f"            if {key} < {_d(keys)}:"]
+        lines += self.statement(" " * 16, lambda: f"{buf}[e // {width}, {col}] = " + load())
+        return lines + ["        cuda.syncthreads()"]
 
     def emit_attention_cuda(self) -> None:
         """Flash-attention's staging without its online rescaling (the row kernel between the two
@@ -364,15 +352,10 @@ class _CudaKernelWriter(_KernelWriter):
                  "    if live:", f"        for t in range({ks_n}):"]
         lines += self.statement(" " * 12, lambda: "qr[t] = " + self.value(
             sa.a_node, self._mul_index(Fs, kss, q_groups, "t", ("b", "m"))))
-        lines += [f"    for k0 in range(0, {_d(Ns)}, {TK}):",
-                  f"        for e in range(tq, {TK * ks_n}, {TQ}):",
-                  f"            kj = k0 + e // {ks_n}",
-                  f"            kt = e % {ks_n}",
-                  f"            if kj < {_d(Ns)}:"]
-        lines += self.statement(" " * 16, lambda: f"Ksh[e // {ks_n}, kt] = " + self.value(
+        lines += [f"    for k0 in range(0, {_d(Ns)}, {TK}):"]
+        lines += self._stage("Ksh", ks_n, Ns, "kj", "kt", TQ, lambda: self.value(
             sa.b_node, self._mul_index(Fs, kss, k_groups, "kt", ("b", "n"))))
-        lines += ["        cuda.syncthreads()",
-                  "        if live:",
+        lines += ["        if live:",
                   f"            for j in range(min({TK}, {_d(Ns)} - k0)):",
                   f"                s = {zero}",
                   f"                for t in range({ks_n}):",
@@ -382,15 +365,10 @@ class _CudaKernelWriter(_KernelWriter):
                   "    if live:"]
         lines += self._probabilities(" " * 8, "rho", sa, pa, gs, Fs)
         lines += [f"    for c in range({np_n}):", f"        acc[c] = {zero}",
-                  f"    for k0 in range(0, {_d(Kp)}, {TK}):",
-                  f"        for e in range(tq, {TK * np_n}, {TQ}):",
-                  f"            vj = k0 + e // {np_n}",
-                  f"            vc = e % {np_n}",
-                  f"            if vj < {_d(Kp)}:"]
-        lines += self.statement(" " * 16, lambda: f"Vsh[e // {np_n}, vc] = " + self.value(
+                  f"    for k0 in range(0, {_d(Kp)}, {TK}):"]
+        lines += self._stage("Vsh", np_n, Kp, "vj", "vc", TQ, lambda: self.value(
             pa.b_node, self._mul_index(Fp, kp, v_groups, "vj", ("b", "n"))))
-        lines += ["        cuda.syncthreads()",
-                  "        if live:",
+        lines += ["        if live:",
                   f"            for j in range(min({TK}, {_d(Kp)} - k0)):",
                   "                pj = pt[k0 + j]",
                   f"                for c in range({np_n}):",

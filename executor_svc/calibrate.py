@@ -87,7 +87,7 @@ def measure_cuda(repeats: int = 7) -> services_pb2.TargetProfile:
 
     from executor_svc.executor import cuda_device
 
-    cuda = cuda_device()
+    cuda = cuda_device()  # before the probes: no device is FAILED_PRECONDITION, not an import error
     from executor_svc.cuda_probes import TILE as T, gemm, tiny, triad
 
     small = _simulated()

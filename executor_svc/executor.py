@@ -29,7 +29,8 @@ from kiln.ir.graph import TensorSpec
 from kiln.ir.evaluate import evaluate
 from kiln.ir.serialize import dim_from_pb, dtype_from_pb, graph_from_pb, tensor_spec_from_pb
 from kiln.ir.kernel import kernel_named_by_content
-from kiln.ir.shape import Sym, evaluate_dim, format_shape
+from kiln.ir.shape import Dim, Sym, evaluate_dim, format_shape, numel
+from kiln.limits import memory_limit
 from kiln.store import BlobStore
 from kiln.telemetry import child_span, span, start_span, untraced
 from kiln.v1 import ir_pb2
@@ -47,40 +48,25 @@ def cuda_device():
     return cuda
 
 
-def session_memory_budget() -> int:
-    """Bytes one session may hold: weights, inputs, intermediates and outputs of a run
-    (KILN_SESSION_MEMORY_MB; default half of this machine's memory)."""
-    mb = os.environ.get("KILN_SESSION_MEMORY_MB")
-    if mb:
-        return int(float(mb) * (1 << 20))
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-
-
 @dataclass(frozen=True)
 class MemoryNeed:
-    """What one run of a session holds: its weights plus, per memory-plan slot, input and output,
-    a product of dims (over the bundle's symbols) times an itemsize."""
-    terms: tuple[tuple[tuple[object, ...], int], ...]
+    """What one run of a session holds (weights, memory-plan slots, inputs and outputs), in bytes:
+    a polynomial over the bundle's symbols, evaluated per run when symbols size it."""
+    bytes: Dim
 
     @staticmethod
     def of(bundle) -> "MemoryNeed":
-        terms = [((dim_from_pb(s.elements),), dtype_from_pb(s.dtype).itemsize) for s in bundle.memory.slots]
+        total: Dim = 0
+        for s in bundle.memory.slots:
+            total = dtype_from_pb(s.dtype).itemsize * dim_from_pb(s.elements) + total
         for t in (*bundle.weights, *bundle.inputs, *bundle.outputs):
             spec = tensor_spec_from_pb(t)
-            terms.append((tuple(spec.shape), spec.dtype.itemsize))
-        return MemoryNeed(tuple(terms))
-
-    def bytes(self, env: Mapping[str, int]) -> int:
-        total = 0
-        for dims, itemsize in self.terms:
-            n = itemsize
-            for d in dims:
-                n *= evaluate_dim(d, env)
-            total += n
-        return total
+            total = spec.dtype.itemsize * numel(spec.shape) + total
+        return MemoryNeed(total)
 
     def check(self, env: Mapping[str, int], what: str) -> None:
-        need, budget = self.bytes(env), session_memory_budget()
+        """RESOURCE_EXHAUSTED past the per-session budget (KILN_SESSION_MEMORY_MB, default half the machine)."""
+        need, budget = evaluate_dim(self.bytes, env), memory_limit("KILN_SESSION_MEMORY_MB", 0.5)
         if need > budget:
             raise ResourceExhausted(f"{what} needs {need / (1 << 20):.1f} MiB (weights, inputs, intermediates and "
                                     f"outputs), over this executor's per-session budget of "

@@ -8,13 +8,13 @@ rotating) or KILN_AUTH_TOKEN turns the token check on: every call except grpc.he
 Client: KILN_TLS_CA (the CA that signed the servers) turns TLS on; KILN_TLS_CLIENT_CERT +
 KILN_TLS_CLIENT_KEY present a certificate; KILN_TLS_SERVER_NAME overrides the name checked against
 the server's certificate; the first token of the same token setting is sent with every call.
-A service that calls others (the optimizer's peers) uses both halves.
+A service that calls others (the optimizer's peers) uses both halves. The server's token check is
+kiln.interceptors.BearerTokenInterceptor.
 """
 
 from __future__ import annotations
 
 import collections
-import hmac
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +23,6 @@ from typing import Mapping, Optional
 import grpc
 
 from kiln.errors import InvalidArgument
-
-# health probes (Kubernetes' gRPC probe sends no token) reveal nothing but SERVING
-UNAUTHENTICATED_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 
 
 def _read(env: Mapping[str, str], name: str) -> Optional[bytes]:
@@ -85,44 +82,6 @@ class AuthConfig:
 
     def channel_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name and self.ca else []
-
-
-def _rejecting_handler(handler, message: str):
-    def abort(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    def abort_stream(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - abort raises
-
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(abort_stream, handler.request_deserializer,
-                                                    handler.response_serializer)
-    return grpc.unary_unary_rpc_method_handler(abort, handler.request_deserializer, handler.response_serializer)
-
-
-class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Rejects a call without `authorization: Bearer <one of tokens>` (health checks excepted)."""
-
-    def __init__(self, tokens: tuple[str, ...]):
-        self._tokens = [t.encode() for t in tokens]
-
-    def _accepted(self, metadata) -> Optional[str]:
-        values = [v for k, v in (metadata or ()) if k == "authorization"]
-        if not values:
-            return "this server needs a bearer token (authorization metadata); none was sent"
-        scheme, _, token = (values[0] if isinstance(values[0], str) else values[0].decode()).partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip().encode(), t)
-                                                 for t in self._tokens):
-            return "the bearer token is not accepted"
-        return None
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method in UNAUTHENTICATED_METHODS:
-            return handler
-        problem = self._accepted(handler_call_details.invocation_metadata)
-        return handler if problem is None else _rejecting_handler(handler, problem)
 
 
 class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",

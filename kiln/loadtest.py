@@ -127,6 +127,22 @@ def run_load(address: str, session: str, inputs: Sequence[tuple[str, np.ndarray]
     return LoadResult(clients, seconds, len(ms), errors, q[49], q[98], ms[-1] if ms else 0.0, rss, wrong[0])
 
 
+def distinct_mlps(n: int, first_width: int = 40) -> list[tuple[object, tuple]]:
+    """n MLPs of different hidden widths (so no two share a cached compile) with example inputs."""
+    import torch
+
+    class Mlp(torch.nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.a = torch.nn.Linear(32, width)
+            self.b = torch.nn.Linear(width, 10)
+
+        def forward(self, x):
+            return torch.log_softmax(self.b(torch.nn.functional.gelu(self.a(x))), dim=-1)
+
+    return [(Mlp(first_width + 8 * i).eval(), (torch.randn(4, 32),)) for i in range(n)]
+
+
 def concurrent_compiles(addresses: dict, store, models: Sequence[tuple[object, tuple]],
                         tolerance: float = 1e-4) -> list[tuple[float, float]]:
     """Compile every (module, example args) at once through the remote stages, one thread each;

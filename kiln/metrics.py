@@ -8,10 +8,7 @@ iteration. Executor: Run calls in flight, generation queue depth and decode batc
 from __future__ import annotations
 
 import threading
-import time
-from typing import Optional
 
-import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 RPC_REQUESTS = Counter("kiln_rpc_requests", "RPCs handled, by service, method and status code",
@@ -44,67 +41,6 @@ def count_cache_lookup(stage: str, hit: bool) -> None:
         c[0] += hit
         c[1] += 1
         CACHE_HIT_RATIO.labels(stage).set(c[0] / c[1])
-
-
-def _split_method(full: str) -> tuple[str, str]:
-    """'/kiln.v1.Executor/Run' -> ('kiln.v1.Executor', 'Run')."""
-    service, _, method = full.lstrip("/").rpartition("/")
-    return service or "unknown", method or full
-
-
-class MetricsInterceptor(grpc.ServerInterceptor):
-    """Counts and times every RPC the server handles (unary and server-streaming), with its final code."""
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
-            service, method = _split_method(handler_call_details.method)
-            RPC_REQUESTS.labels(service, method, "UNIMPLEMENTED").inc()
-            return None
-        service, method = _split_method(handler_call_details.method)
-
-        def finish(context, t0: float, error: Optional[BaseException]) -> None:
-            code = context.code() if hasattr(context, "code") else None
-            if code is None:
-                code = grpc.StatusCode.UNKNOWN if error is not None else grpc.StatusCode.OK
-            name = code.name if isinstance(code, grpc.StatusCode) else str(code)
-            RPC_REQUESTS.labels(service, method, name).inc()
-            RPC_LATENCY.labels(service, method).observe(time.perf_counter() - t0)
-            RPC_IN_FLIGHT.labels(service, method).dec()
-
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            def unary(request, context):
-                t0, error = time.perf_counter(), None
-                RPC_IN_FLIGHT.labels(service, method).inc()
-                try:
-                    return inner(request, context)
-                except BaseException as e:
-                    error = e
-                    raise
-                finally:
-                    finish(context, t0, error)
-
-            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
-                                                       handler.response_serializer)
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
-
-            def stream(request, context):
-                t0, error = time.perf_counter(), None
-                RPC_IN_FLIGHT.labels(service, method).inc()
-                try:
-                    yield from inner_stream(request, context)
-                except BaseException as e:
-                    error = e
-                    raise
-                finally:
-                    finish(context, t0, error)
-
-            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
-                                                        handler.response_serializer)
-        return handler  # client- and bidi-streaming: kiln has none
 
 
 def serve_metrics(port: int, host: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY) -> int:

@@ -16,8 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kiln import errors
-from kiln.auth import AuthConfig, BearerTokenInterceptor
-from kiln.metrics import MetricsInterceptor
+from kiln.auth import AuthConfig
+from kiln.interceptors import BearerTokenInterceptor, MetricsInterceptor, RequestDecodeInterceptor
 from kiln.telemetry import grpc_server_interceptors
 
 log = logging.getLogger("kiln.service")
@@ -67,51 +67,6 @@ def rpc_stream(fn: Callable) -> Callable:
             context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
     return wrapper
-
-
-class _Malformed:
-    def __init__(self, error: str):
-        self.error = error
-
-
-class RequestDecodeInterceptor(grpc.ServerInterceptor):
-    """A request that does not parse as its message type is INVALID_ARGUMENT (gRPC's own answer,
-    INTERNAL, would blame the server for the client's bytes)."""
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        decode = handler.request_deserializer
-
-        def lenient(data: bytes):
-            try:
-                return decode(data)
-            except Exception as e:  # noqa: BLE001 - any parse failure is the client's
-                return _Malformed(f"{type(e).__name__}: {e}")
-
-        def check(request, context) -> None:
-            if isinstance(request, _Malformed):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"malformed request for {handler_call_details.method}: {request.error}")
-
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            def unary(request, context):
-                check(request, context)
-                return inner(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(unary, lenient, handler.response_serializer)
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
-
-            def stream(request, context):
-                check(request, context)
-                yield from inner_stream(request, context)
-
-            return grpc.unary_stream_rpc_method_handler(stream, lenient, handler.response_serializer)
-        return handler
 
 
 def deadline_of(context) -> Optional[float]:

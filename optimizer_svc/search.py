@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -28,6 +27,7 @@ from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import evaluate_dim, numel
 from kiln.ir import view as view_specs
 from kiln.ir.view import ViewSpec, compose
+from kiln.limits import memory_limit, resident_bytes
 from kiln.metrics import EGRAPH_ECLASSES, EGRAPH_ENODES
 from kiln.telemetry import span
 from optimizer_svc.partition import row_broadcast_axis
@@ -90,22 +90,9 @@ class SearchLimits:
     time_budget_s: float = 30.0
     deadline: Optional[float] = None  # time.monotonic() at which the caller's deadline expires
     pool: Optional[Pool] = None  # the target's pool: schedules are searched only when it is known
-    max_memory_bytes: int = field(default_factory=lambda: search_memory_cap())
-
-
-def search_memory_cap() -> int:
-    """Bytes one saturation may add to the process (KILN_OPTIMIZE_MEMORY_MB; default a quarter of
-    this machine's memory); past it the request is RESOURCE_EXHAUSTED."""
-    mb = os.environ.get("KILN_OPTIMIZE_MEMORY_MB")
-    if mb:
-        return int(float(mb) * (1 << 20))
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-
-
-def resident_bytes() -> int:
-    """This process's resident memory now (egglog's e-graph lives in Rust, out of Python's sight)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    # bytes one saturation may add to the process (KILN_OPTIMIZE_MEMORY_MB; default a quarter of
+    # the machine); past it the request is RESOURCE_EXHAUSTED
+    max_memory_bytes: int = field(default_factory=lambda: memory_limit("KILN_OPTIMIZE_MEMORY_MB", 0.25))
 
 
 def _check_memory(limits: SearchLimits, start: int, where: str) -> None:

@@ -9,18 +9,8 @@ import torch
 
 import kiln
 from kiln.examples import Encoder
-from kiln.loadtest import concurrent_compiles, run_load
+from kiln.loadtest import concurrent_compiles, distinct_mlps, run_load
 from test_hostile import STAGES, Server
-
-
-class Mlp(torch.nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.a = torch.nn.Linear(32, width)
-        self.b = torch.nn.Linear(width, 10)
-
-    def forward(self, x):
-        return torch.log_softmax(self.b(torch.nn.functional.gelu(self.a(x))), dim=-1)
 
 
 def test_32_clients_on_run_for_60_s_then_8_concurrent_compiles(tmp_path):
@@ -37,8 +27,7 @@ def test_32_clients_on_run_for_60_s_then_8_concurrent_compiles(tmp_path):
         assert r.errors == {} and r.wrong_outputs == 0
         assert r.calls > 32
         assert r.rss_growth < 0.05, r.rss_mb
-        models = [(Mlp(40 + 8 * i).eval(), (torch.randn(4, 32),)) for i in range(8)]
-        results = concurrent_compiles({st: s.addr for st in STAGES}, s.store, models)
+        results = concurrent_compiles({st: s.addr for st in STAGES}, s.store, distinct_mlps(8))
         assert len(results) == 8 and all(err <= 1e-4 for _, err in results)
         assert s.proc.poll() is None
     finally:
