@@ -177,6 +177,8 @@ def flight(store: BlobStore, key: str, deadline: Optional[float] = None) -> Iter
             yield hit
             return
     try:
-        yield lookup(store, key, count=False) if waited else None  # finished between the last poll and the lease
+        # the holder before this one may have finished between this caller's last look at the
+        # cache and its lease (also before its first try: a miss, then a slow first acquire)
+        yield lookup(store, key, count=False)
     finally:
         lease.release()

@@ -166,7 +166,9 @@ class S3Store(BlobStore):
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.url = f"s3://{bucket}/{self.prefix}"
-        http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=3, read=30),
+        # maxsize: stages call the store from many threads at once (urllib3's default keeps one
+        # connection per host and opens and drops a new one for every other concurrent call)
+        http = urllib3.PoolManager(maxsize=32, timeout=urllib3.Timeout(connect=3, read=30),
                                    retries=urllib3.Retry(total=2, backoff_factor=0.2,
                                                          status_forcelist=[500, 502, 503, 504]))
         self.client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure, http_client=http)

@@ -134,6 +134,28 @@ def test_flight_runs_the_work_once_across_threads(store):
     assert results == [digest_bytes(b"the result")] * 8
 
 
+def test_flight_sees_work_finished_before_its_first_lease_try(store, monkeypatch):
+    """The race CI once lost: a caller misses the cache, and before its first lease try the
+    holder records its result and releases; the caller gets the lease but must see the result,
+    not do the work again."""
+    from kiln import cache
+
+    key = cache.action_key("test", "1", {}, {"case": os.urandom(8).hex()})
+    real_read, finished = store.read_lease, []
+
+    def read_lease(name):
+        if not finished:  # between this caller's cache miss and its first lease try
+            finished.append(1)
+            with cache.flight(store, key) as hit:  # the other caller: works, records, releases
+                assert hit is None
+                cache.record(store, key, {"out": store.put(b"done once")})
+        return real_read(name)
+
+    monkeypatch.setattr(store, "read_lease", read_lease)
+    with cache.flight(store, key) as hit:
+        assert finished and hit == {"out": digest_bytes(b"done once")}
+
+
 def test_an_expired_lease_is_taken_over(store, monkeypatch):
     """A holder killed mid-work stops renewing: after the TTL another caller takes over."""
     from kiln import cache
