@@ -2,7 +2,7 @@
 
 A TargetProfile holds GEMM GFLOP/s per shape class (BLAS through numba, as generated GEMM
 kernels call it; on cuda, the generated kernels' shared-memory tile), streaming memory bandwidth,
-elementwise throughput and the fixed cost of one kernel (a parallel region, or a launch, with
+elementwise throughput (streamed, and in cache at each SIMD vector width the CPU has) and the fixed cost of one kernel (a parallel region, or a launch, with
 almost no work). It is measured once per target
 fingerprint (target, CPU model, core count, numba and numpy versions) and kept in the store
 under an action-cache key, so every replica on the same kind of node shares it.
@@ -24,9 +24,10 @@ from kiln.digest import Digest
 from kiln.errors import FailedPrecondition
 from kiln.store import BlobStore
 from kiln.telemetry import span
+from kiln.vectorwidth import host_widths, pipeline as vector_pipeline
 from kiln.v1 import services_pb2
 
-CALIBRATE_VERSION = "calibrate-3"
+CALIBRATE_VERSION = "calibrate-4"  # 4: vector_rates
 # (class, M, N, K): decode-step GEMV, small tiles, a BERT-base-sized projection, a square block
 GEMM_CLASSES = (("gemv", 1, 1536, 384), ("small", 64, 64, 64), ("projection", 512, 1536, 384),
                 ("square", 512, 512, 512))
@@ -139,14 +140,20 @@ def measure(target: str = "cpu", repeats: int = 7) -> services_pb2.TargetProfile
         for i in prange(a.size):
             c[i] = a[i] + np.float32(2.0) * b[i]
 
-    @njit(parallel=True, cache=False, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
-    def triad_passes(a, b, c, passes):  # pass after pass over one chunk per task, in cache, indexed
-        chunk = a.size // CACHED_TASKS  # as the codegen indexes a GEMM's epilogue
+    def passes_over_cache(a, b, c, passes):  # pass after pass over one chunk per task, in cache,
+        chunk = a.size // CACHED_TASKS  # indexed as the codegen indexes a GEMM's epilogue
         for t in prange(CACHED_TASKS):
             for _ in range(passes):  # each pass reads the last one's c: no pass is redundant
                 for i in range(chunk):
                     j = np.uint64(t * chunk + i)
                     c[j] = np.float32(0.5) * c[j] + a[j] * b[j]
+
+    def in_cache(width: int = 0):  # the loop compiled as a kernel with that vector width is
+        options = {"pipeline_class": vector_pipeline(width)} if width else {}
+        return njit(parallel=True, cache=False, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"},
+                    **options)(passes_over_cache)
+
+    triad_passes = in_cache()
 
     @njit(parallel=True, cache=False, nogil=True)
     def tiny(a):
@@ -176,6 +183,19 @@ def measure(target: str = "cpu", repeats: int = 7) -> services_pb2.TargetProfile
     x, y, z = x[:CACHED_ELEMENTS].copy(), y[:CACHED_ELEMENTS].copy(), np.zeros(CACHED_ELEMENTS, np.float32)
     s = _median_seconds(lambda: triad_passes(x, y, z, CACHED_PASSES), repeats)
     p.cached_gelems = CACHED_ELEMENTS * CACHED_PASSES / s / 1e9
+    # the same loop compiled at each vector width the CPU has (0: LLVM's own), timed in turns so
+    # that a slower or busier moment of the machine falls on every width alike
+    widths = {bits: in_cache(bits) if bits else triad_passes for bits in (0,) + host_widths()}
+    times: dict[int, list[float]] = {bits: [] for bits in widths}
+    for kernel in widths.values():
+        kernel(x, y, z, CACHED_PASSES)  # compile
+    for _ in range(3 * repeats):
+        for bits, kernel in widths.items():
+            t = time.perf_counter()
+            kernel(x, y, z, CACHED_PASSES)
+            times[bits].append(time.perf_counter() - t)
+    for bits, ts in times.items():
+        p.vector_rates.add(bits=bits, gelems=CACHED_ELEMENTS * CACHED_PASSES / statistics.median(ts) / 1e9)
     small = np.zeros(16, np.float32)
     p.kernel_overhead_us = _median_seconds(lambda: tiny(small), 50 * repeats) * 1e6
     p.serial_overhead_us = _median_seconds(lambda: tiny_serial(small), 50 * repeats) * 1e6

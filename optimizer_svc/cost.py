@@ -17,7 +17,9 @@ accumulator factor in the axis-outer order (search.order_factor), as extraction 
 GEMM's tile of rows (B packed per BLAS call, a block of C read back from memory) and attention's
 tile of query rows (two BLAS calls per tile, scores out of cache) likewise
 (search.gemm_tile_extra, attention_tile_extra; a BLAS call costs a serial kernel's fixed cost).
-Symbolic dims take their largest binding.
+A kernel compiled with a SIMD vector width has its in-cache loop work (an epilogue, attention's
+softmax, a row kernel's, an elementwise kernel's, a reduction's whose input fits in cache) scaled
+by the width's measured factor (search.vector_factors). Symbolic dims take their largest binding.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from kiln.ir.kernel import KernelGraph, gemm_axes, gemm_dims, kernel_gemm
 from kiln.ir.ops import Op
 from kiln.ir.shape import evaluate_dim, numel
 from kiln.v1 import services_pb2
-from optimizer_svc.search import GEMM_BLOCK_ROWS, attention_tile_extra, gemm_tile_extra, order_factor
+from optimizer_svc.search import (C_CACHE_BYTES, GEMM_BLOCK_ROWS, attention_tile_extra, gemm_tile_extra, order_factor,
+                                  vector_factors)
 
 
 FREE = (Op.VIEW, Op.CONSTANT, Op.INPUT, Op.WEIGHT)
@@ -78,8 +81,10 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
     rate = max(profile.elementwise_gelems, 1e-3) * 1e9
     cached = max(profile.cached_gelems * 1e9, rate)  # a profile from before it was measured: the streaming rate
     serial_overhead = (profile.serial_overhead_us or profile.kernel_overhead_us) * 1e-6  # also one BLAS call's
+    factors = vector_factors(profile)
     out = []
     for k in kg.kernels:
+        vector = factors.get(k.vector, 1.0) if k.vector else 1.0
         share = 1.0 if k.parallel else 1.0 / threads
         overhead = (profile.kernel_overhead_us if k.parallel or not profile.serial_overhead_us
                     else profile.serial_overhead_us) * 1e-6
@@ -89,7 +94,7 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
         ops = _ops(g, k)
         if k.kind == "gemm":
             gi = kernel_gemm(g, k)
-            compute = _gemm_seconds(g, gi, env, profile, pool) + elems(k.output) * ops / (cached * share)
+            compute = _gemm_seconds(g, gi, env, profile, pool) + elems(k.output) * ops * vector / (cached * share)
             batch, m, n, depth = (evaluate_dim(d, env) for d in gemm_dims(g, gi)[1:])
             if batch == 1:  # one thread's rows of C in tiles: B packed per BLAS call, C out of cache
                 used = max(1, min(pool, m // GEMM_BLOCK_ROWS))
@@ -100,7 +105,7 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
         elif k.kind == "attention":  # two GEMMs and, per score, the softmax's elementwise work
             p = gemm_axes(g, k.output).a_root
             compute = (_gemm_seconds(g, k.scores, env, profile, pool) + _gemm_seconds(g, k.output, env, profile, pool)
-                       + elems(p) * max(1, ops) / (cached * share))
+                       + elems(p) * max(1, ops) * vector / (cached * share))
             batch, m, keys = (evaluate_dim(d, env) for d in gemm_dims(g, k.scores)[1:4])
             # its tile's BLAS calls and cache misses, shared by the pool
             calls, units = attention_tile_extra(batch, m, keys, evaluate_dim(gemm_dims(g, k.output)[3], env),
@@ -112,6 +117,8 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
             if k.kind == "reduce":  # its loop order, priced as extraction prices it
                 n = g.nodes[k.output]
                 compute *= order_factor(evaluate_dim(numel(n.shape[n.axis + 1:]), env), k.order == "axis-outer")
+            if k.kind != "reduce" or work * g.nodes[g.nodes[k.output].inputs[0]].dtype.itemsize <= C_CACHE_BYTES:
+                compute *= vector
         memory = moved / (bw * share)
         body = max(compute, memory)
         bound = "overhead" if overhead > body else ("compute" if compute >= memory else "memory")

@@ -208,7 +208,8 @@ def candidates(g: Graph, options: OptimizeOptions, profile) -> list[tuple[Schedu
         if key not in structures:
             structures[key] = partition(g, schedule=schedule)
         kg = with_parallel(structures[key], schedule)
-        shape = tuple((k.kind, k.output, k.nodes, k.parallel, k.order, k.tile, k.collapse) for k in kg.kernels)
+        shape = tuple((k.kind, k.output, k.nodes, k.parallel, k.order, k.tile, k.collapse, k.vector)
+                      for k in kg.kernels)
         if shape in seen:
             continue
         seen.add(shape)

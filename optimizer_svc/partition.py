@@ -141,6 +141,8 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
         if not schedule.searched or k.kind not in ("gemm", "attention", "row", "reduce"):
             return None
         root = g.nodes[kernel_gemm(g, k) if k.kind == "gemm" else k.output]
+        if k.kind == "row":  # the row term's root, which elementwise work after it (a norm's weight) may follow
+            root = next((g.nodes[j] for j in k.nodes if g.nodes[j].kernel == "row" and g.nodes[j].schedule), root)
         if k.kind == "gemm" and root.kernel != "gemm":  # attention's P·V on its own: its tile is no GEMM's
             return None
         return parse_schedule(root.schedule)
@@ -161,12 +163,12 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
     def scheduled(k: Kernel) -> Kernel:
         s = chosen(k)
         if s is None:
-            return dataclasses.replace(k, parallel=parallel(k), order="", tile=0, collapse=False)
+            return dataclasses.replace(k, parallel=parallel(k), order="", tile=0, collapse=False, vector=0)
         # a bool reduction keeps the default order (a scalar accumulator)
         axis_outer = k.kind == "reduce" and s.axis_outer and g.nodes[k.output].dtype is not DType.BOOL
         return dataclasses.replace(k, parallel=s.parallel, order="axis-outer" if axis_outer else "",
                                    tile=s.tile if k.kind == "attention" or (k.kind == "gemm" and single(k)) else 0,
-                                   collapse=s.collapse and k.kind in ("reduce", "row"))
+                                   collapse=s.collapse and k.kind in ("reduce", "row"), vector=s.vector)
 
     return KernelGraph(g, tuple(scheduled(k) for k in kg.kernels))
 

@@ -40,7 +40,7 @@ from optimizer_svc.rules.schedules import schedules
 from optimizer_svc.rules.views import views
 from optimizer_svc.terms import (Term, bias_group, compose_views, gemm_layout, member_slice, merge_axis, merge_group, merge_in,
                                  merge_out, merged_bias, merged_bias_view, merged_operand, merged_weight, merged_weight_view, plain_view,
-                                 pool_threads, reduce_view, row_bcast, shape_of, split_in,
+                                 pool_threads, pool_vector_bits, reduce_view, row_bcast, shape_of, split_in,
                                  split_out)
 
 _UNARY = {Op.EXP2: Term.exp2, Op.LOG2: Term.log2, Op.SIN: Term.sin, Op.SQRT: Term.sqrt, Op.RECIP: Term.recip}
@@ -56,15 +56,32 @@ _BY_NAME.update(merged_weight="merged_weight", merged_bias="merged_weight")  # r
 GEMM_WEIGHT = 0.25  # one multiply-add of a BLAS GEMM, against 1 for each op of a generated loop
 
 
+VECTOR_NOISE = 0.05  # vector rates within this of LLVM's own width's count as equal to it
+
+
+def vector_factors(profile) -> dict[int, float]:
+    """Per SIMD vector width (bits) the target measured, its in-cache work's time against LLVM's
+    preferred width (Calibrate's vector_rates): below 1 where the width runs faster; 1 where
+    the two differ by no more than VECTOR_NOISE, so a width is asked for only when it matters."""
+    rates = {v.bits: v.gelems for v in getattr(profile, "vector_rates", ()) if v.gelems > 0}
+    if 0 not in rates:
+        return {}
+    factors = {bits: rates[0] / rate for bits, rate in sorted(rates.items()) if bits}
+    return {bits: 1.0 if abs(f - 1.0) <= VECTOR_NOISE else round(f, 3) for bits, f in factors.items()}
+
+
 @dataclass(frozen=True)
 class Pool:
     """What schedules cost on the target (rules/schedules.py), in extraction's units (one
     elementwise op on one element by one thread): its parallel pool's threads, the fixed cost
-    of a parallel and of a serial kernel, and one thread's BLAS multiply-add."""
+    of a parallel and of a serial kernel, one thread's BLAS multiply-add, an elementwise op on
+    data in cache, and each SIMD vector width's factor on in-cache work (vector_factors)."""
     threads: int
     parallel_overhead: float
     serial_overhead: float
     gemm_mac: float = GEMM_WEIGHT
+    cached: float = 1.0
+    vector: tuple[tuple[int, float], ...] = ()
 
     @staticmethod
     def from_profile(profile) -> Optional["Pool"]:
@@ -75,12 +92,18 @@ class Pool:
         serial = profile.serial_overhead_us or profile.kernel_overhead_us
         rates = sorted(g.gflops for g in profile.gemm if g.m > 1 and g.n > 1 and g.gflops > 0)
         mac = 2e-3 / rates[len(rates) // 2] / unit_us if rates else GEMM_WEIGHT  # µs per MAC / µs per unit
+        cached = min(1.0, profile.elementwise_gelems / profile.cached_gelems) if profile.cached_gelems > 0 else 1.0
         return Pool(profile.threads, round(profile.kernel_overhead_us / unit_us, 1), round(serial / unit_us, 1),
-                    round(mac, 4))
+                    round(mac, 4), round(cached, 4), tuple(vector_factors(profile).items()))
+
+    @property
+    def widest_vector(self) -> int:
+        return max((bits for bits, _ in self.vector), default=0)
 
     def canonical(self) -> dict:
         return {"threads": self.threads, "parallel_overhead": self.parallel_overhead,
-                "serial_overhead": self.serial_overhead, "gemm_mac": self.gemm_mac}
+                "serial_overhead": self.serial_overhead, "gemm_mac": self.gemm_mac, "cached": self.cached,
+                "vector": [list(v) for v in self.vector]}
 
 
 @dataclass
@@ -340,6 +363,8 @@ def _saturate(g: Graph, limits: SearchLimits, eg: EGraph) -> tuple[Graph, Search
             eg.register(Term.output(k, refs[o]))
         if limits.pool is not None:
             eg.register(set_(pool_threads()).to(i64(limits.pool.threads)))
+            if limits.pool.widest_vector:
+                eg.register(set_(pool_vector_bits()).to(i64(limits.pool.widest_vector)))
         enc.flush_tables(eg)
     _check_memory(limits, rss0, "encoding the graph")
     rulesets = {"algebra": algebra, "views": views, "reductions": reductions, "matmul": matmul, "norms": norms,
@@ -637,6 +662,7 @@ def order_factor(inner: int, axis_outer: bool) -> float:
 
 TILE_CACHE_BYTES = 1 << 18  # an attention tile's scores, probabilities and output rows stay in cache up to this
 C_CACHE_BYTES = 1 << 21  # a GEMM's block of C stays in cache from BLAS writing it to its epilogue reading it up to this
+VECTOR_TIE = 1e-3  # what asking LLVM for a vector width costs over not asking: equal work keeps its own choice
 GEMM_PACK = 1.0  # per element of B: BLAS packs B again for every call (a tile of rows) after the first
 
 
@@ -671,7 +697,9 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
     its result; a reduction or row kernel, its first loop of more than one iteration (in the
     axis-outer order, of the axes before the reduced one), or collapsed, all its outer loops'
     iterations. A GEMM's tile of rows per BLAS call and attention's tile of query rows add what
-    gemm_tile_extra and attention_tile_extra say."""
+    gemm_tile_extra and attention_tile_extra say. Each schedule "/vec=N" for the widths the
+    target measured scales the kernel's in-cache loop work (vector_work) by that width's factor,
+    over the same threads."""
     name = _BY_NAME[n["op"]]
     out = [evaluate_dim(d, largest) for d in shapes.get(cls, ())]
 
@@ -679,13 +707,13 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
         return next((d for d in dims if d > 1), 1)
 
     product = math.prod
+    costs: dict[str, tuple[float, int]] = {}  # schedule -> (cost, threads sharing the work)
     if name == "gemm":
         work *= pool.gemm_mac / GEMM_WEIGHT  # the target's BLAS rate, not extraction's flat weight
         axis = _literal(nodes[n["children"][2]])
         dims = [d for j, d in enumerate(out) if j != axis]  # batch.., M, N (N last)
         m, cols = product(dims[:-1]), dims[-1] if dims else 1
         depth = evaluate_dim(shapes.get(nodes[n["children"][0]]["eclass"], out)[axis], largest)
-        costs = {}
         # the pool shares blocks of at least GEMM_BLOCK_ROWS rows; then each thread's rows go
         # through BLAS a tile at a time (no tile: the codegen's, DEFAULT_GEMM_TILE rows on the pool)
         for head, threads, fixed in (("serial", 1, pool.serial_overhead),
@@ -695,40 +723,50 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
                 calls, units = gemm_tile_extra(-(-m // threads), cols, depth,
                                                tile or (DEFAULT_GEMM_TILE if head == "parallel" else 0))
                 costs[head + (f"/tile={tile}" if tile else "")] = (work / threads + calls * pool.serial_overhead
-                                                                   + units + fixed)
-        return costs
-    elif name == "attention":
-        axis = _literal(nodes[n["children"][3]])
-        dims = [d for j, d in enumerate(out) if j != axis]  # batch.., M, D
-        batch, m, d = product(dims[:-2]), dims[-2] if len(dims) > 1 else 1, dims[-1] if dims else 1
-        p_class, v_class = nodes[n["children"][0]]["eclass"], nodes[n["children"][2]]["eclass"]
-        p_elements = product(evaluate_dim(x, largest) for x in shapes.get(p_class, ()))
-        keys = max(1, p_elements // max(1, batch * m))
-        # P · V at the target's BLAS rate, less what never writing nor reading P saves
-        macs = product(evaluate_dim(x, largest) for x in shapes.get(v_class, ()))
-        work = max(0.0, macs * pool.gemm_mac - ATTENTION_SAVING * p_elements)
-        orders = {}
-        for t in ATTENTION_TILES:
-            calls, cold = attention_tile_extra(batch, m, keys, d, t)
-            # the pool shares the tiles, their BLAS calls and cache misses
-            orders[f"/tile={t}"] = (work + calls * pool.serial_overhead + cold, batch * -(-m // t), None)
-    elif name in ("sum_reduce", "max_reduce"):
-        axis = _literal(nodes[n["children"][1]])
-        inner = product(out[axis + 1:])
-        orders = {"": (work * order_factor(inner, False), first_loop(out), product(out))}
-        if inner > 1:  # the axes after the reduced one: the default order's stride
-            orders["/axis-outer"] = (work * order_factor(inner, True), first_loop(out[:axis]), product(out[:axis]))
-    else:  # row kernels: the row axis is not looped over outside
-        axis = _literal(nodes[n["children"][1]])
-        rows = [d for j, d in enumerate(out) if j != axis]
-        orders = {"": (work, first_loop(rows), product(rows))}
-    costs = {}
-    for order, (w, usable, collapsed) in orders.items():
-        costs["serial" + order] = w + pool.serial_overhead
-        costs["parallel" + order] = w / max(1, min(pool.threads, usable)) + pool.parallel_overhead
-        if collapsed is not None:
-            costs["parallel" + order + "/collapse"] = w / max(1, min(pool.threads, collapsed)) + pool.parallel_overhead
-    return costs
+                                                                   + units + fixed, threads)
+        vector_work = product(out) * pool.cached  # an epilogue (assumed: fusion comes later) on C in cache
+    else:
+        if name == "attention":
+            axis = _literal(nodes[n["children"][3]])
+            dims = [d for j, d in enumerate(out) if j != axis]  # batch.., M, D
+            batch, m, d = product(dims[:-2]), dims[-2] if len(dims) > 1 else 1, dims[-1] if dims else 1
+            p_class, v_class = nodes[n["children"][0]]["eclass"], nodes[n["children"][2]]["eclass"]
+            p_elements = product(evaluate_dim(x, largest) for x in shapes.get(p_class, ()))
+            keys = max(1, p_elements // max(1, batch * m))
+            # P · V at the target's BLAS rate, less what never writing nor reading P saves
+            macs = product(evaluate_dim(x, largest) for x in shapes.get(v_class, ()))
+            work = max(0.0, macs * pool.gemm_mac - ATTENTION_SAVING * p_elements)
+            orders = {}
+            for t in ATTENTION_TILES:
+                calls, cold = attention_tile_extra(batch, m, keys, d, t)
+                # the pool shares the tiles, their BLAS calls and cache misses
+                orders[f"/tile={t}"] = (work + calls * pool.serial_overhead + cold, batch * -(-m // t), None)
+            vector_work = p_elements * pool.cached  # the softmax on each tile's scores
+        elif name in ("sum_reduce", "max_reduce"):
+            axis = _literal(nodes[n["children"][1]])
+            inner = product(out[axis + 1:])
+            orders = {"": (work * order_factor(inner, False), first_loop(out), product(out))}
+            if inner > 1:  # the axes after the reduced one: the default order's stride
+                orders["/axis-outer"] = (work * order_factor(inner, True), first_loop(out[:axis]), product(out[:axis]))
+            vector_work = work if work * 4 <= C_CACHE_BYTES else 0.0  # a streamed input: the width cannot matter
+        else:  # row kernels: the row axis is not looped over outside
+            axis = _literal(nodes[n["children"][1]])
+            rows = [d for j, d in enumerate(out) if j != axis]
+            orders = {"": (work, first_loop(rows), product(rows))}
+            vector_work = work  # each row's later passes read it from cache
+        for order, (w, usable, collapsed) in orders.items():
+            costs["serial" + order] = (w + pool.serial_overhead, 1)
+            threads = max(1, min(pool.threads, usable))
+            costs["parallel" + order] = (w / threads + pool.parallel_overhead, threads)
+            if collapsed is not None:
+                threads = max(1, min(pool.threads, collapsed))
+                costs["parallel" + order + "/collapse"] = (w / threads + pool.parallel_overhead, threads)
+    priced = {schedule: cost for schedule, (cost, _) in costs.items()}
+    for bits, factor in pool.vector:
+        for schedule, (cost, threads) in costs.items():
+            # ties go to LLVM's own width: it asks for nothing
+            priced[f"{schedule}/vec={bits}"] = cost + vector_work * (factor - 1.0) / threads + VECTOR_TIE
+    return priced
 
 
 def _weight_only(g: Graph, enc: _Encoder, nodes: dict, classes: dict[str, list[str]],

@@ -83,6 +83,12 @@ def pool_threads() -> i64:
 
 
 @function
+def pool_vector_bits() -> i64:
+    """The widest SIMD vector (bits) the target measured a rate for; set with pool_threads when
+    its profile has vector rates (rules/schedules.py offers vector widths up to it only then)."""
+
+
+@function
 def compose_views(inner: StringLike, outer: StringLike) -> String:
     """Filled from Python (kiln.ir.view.compose) for the view pairs the graph contains."""
 

@@ -21,6 +21,9 @@ def test_calibrate_measures_once_per_fingerprint(file_store, tmp_path):
     assert all(g.gflops > 0.05 for g in p.gemm)  # real BLAS: far above a naive scalar loop
     assert p.bandwidth_gbs > 0.1 and p.elementwise_gelems > 0 and 0 < p.kernel_overhead_us < 1e5
     assert p.cached_gelems > p.elementwise_gelems  # in cache, not streamed from memory (~10x here)
+    from kiln.vectorwidth import host_widths  # the in-cache loop at LLVM's width and each the CPU has
+
+    assert [v.bits for v in p.vector_rates] == [0, *host_widths()] and all(v.gelems > 0 for v in p.vector_rates)
     d2, p2, cached2 = calibrate(file_store)
     assert cached2 and d2 == d and p2 == p
     # another store in this process gets the same measurement without measuring again

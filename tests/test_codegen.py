@@ -110,9 +110,10 @@ def test_parallel_gemm_splits_rows_and_matches(local_pipeline):
         assert torch.allclose(compiled(x), fn(x), rtol=1e-4, atol=1e-4), name
 
 
-def _compile_for(pipeline, fn, args, threads: int):
+def _compile_for(pipeline, fn, args, threads: int, vector_rates: dict[int, float] | None = None):
     """Compile fn for a target whose profile says `threads` threads (a fixed profile, so the
-    search's schedule choices do not depend on this machine), one candidate; the compiled
+    search's schedule choices do not depend on this machine) and, if given, these in-cache
+    rates per vector width (bits -> Gelem/s; 0: LLVM's own width), one candidate; the compiled
     module and its kernel graph."""
     from kiln.ir.kernel import kernel_graph_from_pb
     from kiln.v1 import services_pb2
@@ -121,7 +122,9 @@ def _compile_for(pipeline, fn, args, threads: int):
                                          cached_gelems=threads * 12.0,
                                          bandwidth_gbs=30.0, kernel_overhead_us=2.0, serial_overhead_us=0.25)
     profile.gemm.add(shape_class="square", m=512, n=512, k=512, gflops=150.0)
-    ep = torch.export.export(Fn(fn), args)
+    for bits, rate in (vector_rates or {}).items():
+        profile.vector_rates.add(bits=bits, gelems=rate)
+    ep = torch.export.export(fn if isinstance(fn, torch.nn.Module) else Fn(fn), args)
     result = pipeline.compile_program(pipeline.upload_program(ep), target_profile=pipeline.store.put_message(profile),
                                       candidates=1)
     session = pipeline.load(result.bundle, result.manifest)
@@ -305,6 +308,28 @@ def test_softmax_and_norms_are_one_row_kernel_each(local_pipeline, dtype):
             assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol, equal_nan=True)
     s = compiled(x, y, mask)[0]
     assert torch.isnan(s[1, 2]).all() and (s[0, :, 10:] == 0).all()
+
+
+def test_searched_vector_width_compiles_and_matches(local_pipeline):
+    """On a target whose in-cache loops ran fastest with 512-bit vectors, the search gives the
+    row kernels that width: their sources compile through the pipeline that asks LLVM for it,
+    and the program matches torch. With rates that favour no width, no kernel asks for one."""
+    torch.manual_seed(0)
+    m = _Norms()
+    args = (torch.randn(64, 8, 24), torch.randn(64, 8, 24), torch.zeros(64, 8, 24))
+    wide = {0: 24.0, 128: 12.0, 256: 24.0, 512: 48.0}
+    compiled, kg = _compile_for(local_pipeline, m, args, threads=2, vector_rates=wide)
+    rows = [k for k in kg.kernels if k.kind == "row"]
+    assert len(rows) == 3 and all(k.vector == 512 for k in rows), [(k.kind, k.vector) for k in kg.kernels]
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+    sources = [k.source for k in bundle.kernels if k.kind == "row"]
+    assert all("pipeline_class=_vector_pipeline(512)" in src for src in sources)
+    with torch.no_grad():
+        for got, ref in zip(compiled(*args), m(*args)):
+            assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+    flat = {0: 24.0, 128: 12.0, 256: 24.0, 512: 20.0}
+    _, kg = _compile_for(local_pipeline, m, args, threads=2, vector_rates=flat)
+    assert not any(k.vector for k in kg.kernels)
 
 
 def test_row_fusion_is_a_schedule_choice():

@@ -528,6 +528,54 @@ def test_schedules_are_enodes_priced_by_the_target():
     assert "schedules" not in report.rulesets and not any(n.schedule for n in opt.nodes)
 
 
+def test_vector_width_is_a_schedule_priced_by_the_target():
+    """Vector widths are schedule e-nodes offered up to the widest the target measured, and
+    priced by its measured factors: a row sum whose 256 KiB input sits in cache takes the width
+    the target ran fastest; a streamed 16 MiB input keeps LLVM's own width (the width cannot
+    help it); a target that found no width faster, or measured none, keeps LLVM's own too.
+    The width reaches the kernel, and the program still matches."""
+    import dataclasses
+
+    from kiln.ir.graph import parse_schedule
+    from kiln.ir.kernel import kernel_graph_from_pb, kernel_graph_to_pb
+
+    def row_sum(rows):
+        b = GraphBuilder()
+        x = b.input("x", (rows, 1024), DType.F32)
+        return b.build([b.reduce(Op.SUM_REDUCE, b.binary(Op.MUL, x, x), 1)])
+
+    def chosen(g, pool):
+        opt, _ = saturate(g, SearchLimits(pool=pool))
+        (sched,) = [n.schedule for n in opt.nodes if n.op is Op.SUM_REDUCE]
+        return opt, parse_schedule(sched)
+
+    faster = dataclasses.replace(POOL, vector=((128, 1.4), (256, 1.0), (512, 0.6)))
+    opt, sched = chosen(row_sum(64), faster)
+    assert sched.vector == 512 and sched.parallel
+    kg = partition(opt)
+    assert [k.vector for k in kg.kernels if k.kind == "reduce"] == [512]
+    assert kernel_graph_from_pb(kernel_graph_to_pb(kg)) == kg
+    xv = np.random.default_rng(0).standard_normal((64, 1024)).astype(np.float32)
+    np.testing.assert_allclose(evaluate(opt, {"x": xv}, {})[0], (xv * xv).sum(1, keepdims=True), rtol=1e-5)
+    assert chosen(row_sum(4096), faster)[1].vector == 0  # streamed
+    assert chosen(row_sum(64), dataclasses.replace(POOL, vector=((128, 1.4), (512, 1.1))))[1].vector == 0
+    assert chosen(row_sum(64), dataclasses.replace(POOL, vector=((128, 0.5),)))[1].vector == 128  # up to the widest
+    assert chosen(row_sum(64), POOL)[1].vector == 0  # no rates measured: no width offered
+    from kiln.v1 import services_pb2
+    from optimizer_svc.search import vector_factors
+
+    profile = services_pb2.TargetProfile()
+    for bits, rate in ((0, 10.0), (128, 5.0), (256, 10.3), (512, 14.0)):
+        profile.vector_rates.add(bits=bits, gelems=rate)
+    # time against LLVM's width; within 5% of it (noise) counts as the same
+    assert vector_factors(profile) == {128: 2.0, 256: 1.0, 512: 0.714}
+    assert Pool.from_profile(services_pb2.TargetProfile(threads=2, elementwise_gelems=1.0)).vector == ()
+    with pytest.raises(ValueError, match="unknown schedule"):
+        parse_schedule("parallel/vec=384")
+    with pytest.raises(ValueError, match="unknown schedule"):
+        parse_schedule("parallel/vec=512/collapse")  # the width comes last
+
+
 @pytest.mark.parametrize("op", [Op.SUM_REDUCE, Op.MAX_REDUCE])
 def test_narrow_reduction_splits_its_axis_for_the_pool(op):
     """A reduction of one long row has no outer loop for the pool: with a pool, the search

@@ -42,13 +42,16 @@ KERNEL_CHOICES = {"gemm": (Op.SUM_REDUCE,), "attention": (Op.SUM_REDUCE,), "row"
 # is read in its memory order, "/collapse" (parallel reductions and row kernels) shares all
 # their outer loops' iterations across the pool as one loop rather than only the first loop's,
 # and "/tile=N" works N rows at a time: an attention kernel's query rows (ATTENTION_TILES), a
-# GEMM's rows of C per BLAS call, its epilogue run on them right after (GEMM_TILES). Only
+# GEMM's rows of C per BLAS call, its epilogue run on them right after (GEMM_TILES), and
+# "/vec=N" (any kernel) has its loops vectorized with SIMD vectors of at most N bits
+# (VECTOR_WIDTHS; none: LLVM's preferred width for the target; kiln/vectorwidth.py). Only
 # reductions (GEMMs, attention) and row kernels' roots carry one: they are kernel roots whatever
 # else the partition decides.
 ATTENTION_TILES = (16, 32, 64, 128)
 DEFAULT_ATTENTION_TILE = 64  # query rows per tile where no tile was searched
 GEMM_TILES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 DEFAULT_GEMM_TILE = 256  # rows of C per BLAS call of a GEMM split across the pool, where no tile was searched
+VECTOR_WIDTHS = (128, 256, 512)  # bits
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class KernelSchedule:
     axis_outer: bool = False
     collapse: bool = False
     tile: int = 0  # 0: the codegen's default tile
+    vector: int = 0  # widest SIMD vector in bits; 0: LLVM's preferred width
 
 
 def parse_schedule(s: str) -> Optional[KernelSchedule]:
@@ -66,17 +70,21 @@ def parse_schedule(s: str) -> Optional[KernelSchedule]:
     head, *rest = s.split("/")
     if head not in ("serial", "parallel"):
         raise ValueError(f"unknown schedule {s!r}")
-    axis_outer, collapse, tile = False, False, 0
+    axis_outer, collapse, tile, vector = False, False, 0, 0
     for part in rest:
+        if vector:  # the width comes last
+            raise ValueError(f"unknown schedule {s!r}")
         if part == "axis-outer" and not (axis_outer or collapse or tile):
             axis_outer = True
         elif part == "collapse" and head == "parallel" and not (collapse or tile):
             collapse = True
         elif part.startswith("tile=") and not tile and part[5:] in {str(t) for t in ATTENTION_TILES + GEMM_TILES}:
             tile = int(part[5:])
+        elif part.startswith("vec=") and part[4:] in {str(w) for w in VECTOR_WIDTHS}:
+            vector = int(part[4:])
         else:
             raise ValueError(f"unknown schedule {s!r}")
-    return KernelSchedule(head == "parallel", axis_outer, collapse, tile)
+    return KernelSchedule(head == "parallel", axis_outer, collapse, tile, vector)
 
 
 @dataclass(frozen=True)

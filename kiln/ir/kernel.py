@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
-from kiln.ir.graph import ATTENTION_TILES, GEMM_TILES, Graph
+from kiln.ir.graph import ATTENTION_TILES, GEMM_TILES, VECTOR_WIDTHS, Graph
 from kiln.ir.ops import Op
 from kiln.ir.shape import contiguous_strides, numel
 from kiln.ir.view import ViewSpec, compose
@@ -25,6 +25,7 @@ class Kernel:
     order: str = ""           # reduce kernels: "axis-outer" loops the reduced axis outside the axes after it
     tile: int = 0             # attention: query rows per tile; GEMM: rows of C per BLAS call (0: codegen's default)
     collapse: bool = False    # parallel reduce and row kernels: one pool loop over all their outer loops
+    vector: int = 0           # cpu: the widest SIMD vector its loops use, in bits (0: LLVM's choice)
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ def kernel_graph_to_pb(kg: KernelGraph, source_graph=None):
     for k in kg.kernels:
         p.kernels.add(name=k.name, kind=k.kind, nodes=list(k.nodes), output=k.output, reads=list(k.reads),
                       parallel=k.parallel, axis=k.axis, scores=max(k.scores, 0), order=k.order,
-                      tile=k.tile, collapse=k.collapse)
+                      tile=k.tile, collapse=k.collapse, vector=k.vector)
     if source_graph is not None:
         p.source_graph.CopyFrom(source_graph.to_pb())
     if kg.prepare is not None:
@@ -239,8 +240,10 @@ def kernel_graph_from_pb(p) -> KernelGraph:
             raise ValueError(f"kernel {k.name!r}: a tile of {k.tile} rows for a {k.kind} kernel")
         if k.collapse and (k.kind not in ("reduce", "row") or not k.parallel):
             raise ValueError(f"kernel {k.name!r}: only a parallel reduce or row kernel collapses its loops")
+        if k.vector and k.vector not in VECTOR_WIDTHS:
+            raise ValueError(f"kernel {k.name!r}: a vector width of {k.vector} bits (known: {VECTOR_WIDTHS})")
         kernel = Kernel(k.name, k.kind, tuple(k.nodes), k.output, tuple(k.reads), k.parallel, k.axis,
-                        k.scores if k.kind == "attention" else -1, k.order, k.tile, k.collapse)
+                        k.scores if k.kind == "attention" else -1, k.order, k.tile, k.collapse, k.vector)
         if k.tile and k.kind == "gemm" and (kernel_gemm(g, kernel) is None
                                             or gemm_dims(g, kernel_gemm(g, kernel))[1] != 1):
             raise ValueError(f"kernel {k.name!r}: a batched GEMM has no tile of rows (one BLAS call per matrix)")
