@@ -84,6 +84,38 @@ def test_profile_times_candidates_over_grpc(remote_pipeline):
     assert remote_pipeline.known_profile() == d  # Calibrate(lookup_only) over gRPC
 
 
+def test_each_timed_run_follows_one_of_its_own(local_pipeline, monkeypatch):
+    """Candidates are timed round-robin, and each timed run right after an untimed run of the same
+    candidate, so one candidate's cache state never lands on the next one's time."""
+    import time as time_module
+
+    model, inputs = mlp_example()
+    searched = kiln.compile(model, inputs, pipeline=local_pipeline).result
+    unsearched = kiln.compile(model, inputs, pipeline=local_pipeline, search=False).result
+    executor = local_pipeline._local_executor()
+    events, real_run = [], executor.run_session
+    clock = time_module.perf_counter
+
+    def run_session(session, feeds):
+        events.append(("run", session.bundle))
+        return real_run(session, feeds)
+
+    def perf_counter():
+        events.append(("clock", None))
+        return clock()
+
+    monkeypatch.setattr(executor, "run_session", run_session)
+    monkeypatch.setattr("executor_svc.executor.time.perf_counter", perf_counter)
+    local_pipeline.profile([searched.bundle, unsearched.bundle], searched.manifest, repeats=3)
+    runs = [b for kind, b in events if kind == "run"]
+    assert runs[:2] == [searched.bundle, unsearched.bundle]  # warm-up (compiles)
+    # then per round and candidate: an untimed run, the clock, the timed run of the same one, the clock
+    timed = events[[i for i, (kind, _) in enumerate(events) if kind == "run"][2]:]
+    rounds = [timed[i:i + 4] for i in range(0, len(timed), 4)]
+    assert len(rounds) == 6 and [r[0][1] for r in rounds] == [searched.bundle, unsearched.bundle] * 3
+    assert all([kind for kind, _ in r] == ["run", "clock", "run", "clock"] and r[0] == r[2] for r in rounds)
+
+
 def test_profile_rejects_bad_requests(remote_pipeline):
     from kiln.errors import InvalidArgument, NotFound
 
