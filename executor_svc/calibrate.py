@@ -2,10 +2,10 @@
 
 A TargetProfile holds GEMM GFLOP/s per shape class (BLAS through numba, as generated GEMM
 kernels call it; on cuda, the generated kernels' shared-memory tile), streaming memory bandwidth,
-elementwise throughput (streamed, and in cache at each SIMD vector width the CPU has) and the fixed cost of one kernel (a parallel region, or a launch, with
-almost no work). It is measured once per target
-fingerprint (target, CPU model, core count, numba and numpy versions) and kept in the store
-under an action-cache key, so every replica on the same kind of node shares it.
+elementwise throughput (streamed, and in cache at each SIMD vector width the CPU has) and the
+fixed cost of one kernel (a parallel region, or a launch, with almost no work). It is measured
+once per target fingerprint (target, CPU model, core count, numba and numpy versions) and kept
+in the store under an action-cache key, so every replica on the same kind of node shares it.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def measure(target: str = "cpu", repeats: int = 7) -> services_pb2.TargetProfile
                     j = np.uint64(t * chunk + i)
                     c[j] = np.float32(0.5) * c[j] + a[j] * b[j]
 
-    def in_cache(width: int = 0):  # the loop compiled as a kernel with that vector width is
+    def in_cache(width: int = 0):  # that loop, compiled as a kernel scheduled with this vector width is
         options = {"pipeline_class": vector_pipeline(width)} if width else {}
         return njit(parallel=True, cache=False, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"},
                     **options)(passes_over_cache)
