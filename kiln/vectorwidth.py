@@ -16,11 +16,11 @@ from __future__ import annotations
 import threading
 from functools import lru_cache
 
+from kiln.ir.graph import VECTOR_WIDTHS as WIDTHS  # bits; 0 (no attribute): LLVM's own choice for the target
+
 _state = threading.local()
 _install_lock = threading.Lock()
 _installed = False
-
-from kiln.ir.graph import VECTOR_WIDTHS as WIDTHS  # bits; 0 (no attribute): LLVM's own choice for the target
 
 
 def host_widths() -> tuple[int, ...]:

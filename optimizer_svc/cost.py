@@ -32,8 +32,8 @@ from kiln.ir.kernel import KernelGraph, gemm_axes, gemm_dims, kernel_gemm
 from kiln.ir.ops import Op
 from kiln.ir.shape import evaluate_dim, numel
 from kiln.v1 import services_pb2
-from optimizer_svc.search import (C_CACHE_BYTES, GEMM_BLOCK_ROWS, attention_tile_extra, gemm_tile_extra, order_factor,
-                                  vector_factors)
+from optimizer_svc.search import (GEMM_BLOCK_ROWS, attention_tile_extra, gemm_tile_extra, order_factor,
+                                  vector_factors, width_matters)
 
 
 FREE = (Op.VIEW, Op.CONSTANT, Op.INPUT, Op.WEIGHT)
@@ -117,7 +117,7 @@ def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[Kernel
             if k.kind == "reduce":  # its loop order, priced as extraction prices it
                 n = g.nodes[k.output]
                 compute *= order_factor(evaluate_dim(numel(n.shape[n.axis + 1:]), env), k.order == "axis-outer")
-            if k.kind != "reduce" or work * g.nodes[g.nodes[k.output].inputs[0]].dtype.itemsize <= C_CACHE_BYTES:
+            if k.kind != "reduce" or width_matters(work * g.nodes[g.nodes[k.output].inputs[0]].dtype.itemsize):
                 compute *= vector
         memory = moved / (bw * share)
         body = max(compute, memory)

@@ -63,7 +63,7 @@ def vector_factors(profile) -> dict[int, float]:
     """Per SIMD vector width (bits) the target measured, its in-cache work's time against LLVM's
     preferred width (Calibrate's vector_rates): below 1 where the width runs faster; 1 where
     the two differ by no more than VECTOR_NOISE, so a width is asked for only when it matters."""
-    rates = {v.bits: v.gelems for v in getattr(profile, "vector_rates", ()) if v.gelems > 0}
+    rates = {v.bits: v.gelems for v in profile.vector_rates if v.gelems > 0}
     if 0 not in rates:
         return {}
     factors = {bits: rates[0] / rate for bits, rate in sorted(rates.items()) if bits}
@@ -663,6 +663,12 @@ def order_factor(inner: int, axis_outer: bool) -> float:
 TILE_CACHE_BYTES = 1 << 18  # an attention tile's scores, probabilities and output rows stay in cache up to this
 C_CACHE_BYTES = 1 << 21  # a GEMM's block of C stays in cache from BLAS writing it to its epilogue reading it up to this
 VECTOR_TIE = 1e-3  # what asking LLVM for a vector width costs over not asking: equal work keeps its own choice
+
+
+def width_matters(reduce_read_bytes: int) -> bool:
+    """Whether a reduction reading this many bytes runs from cache, where its vector width can
+    matter (streamed from memory, it cannot); extraction and the roofline (cost.predict) both ask."""
+    return reduce_read_bytes <= C_CACHE_BYTES
 GEMM_PACK = 1.0  # per element of B: BLAS packs B again for every call (a tile of rows) after the first
 
 
@@ -748,7 +754,7 @@ def _schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], la
             orders = {"": (work * order_factor(inner, False), first_loop(out), product(out))}
             if inner > 1:  # the axes after the reduced one: the default order's stride
                 orders["/axis-outer"] = (work * order_factor(inner, True), first_loop(out[:axis]), product(out[:axis]))
-            vector_work = work if work * 4 <= C_CACHE_BYTES else 0.0  # a streamed input: the width cannot matter
+            vector_work = work if width_matters(int(work) * 4) else 0.0
         else:  # row kernels: the row axis is not looped over outside
             axis = _literal(nodes[n["children"][1]])
             rows = [d for j, d in enumerate(out) if j != axis]
