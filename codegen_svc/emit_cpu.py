@@ -247,6 +247,30 @@ def _axis_runs(chain: list[ViewSpec]):
     return sizes, strides, first.offset, runs
 
 
+def _axis_map(v: ViewSpec, src_shape) -> Optional[tuple]:
+    """When the view only permutes, broadcasts and adds or drops dims of 1 (no offset, mask,
+    merge or split), the view's axis each source axis is read at (None: a dim of 1); the
+    source's index is then the view's, axis by axis, with no flat index to unravel (a
+    scaled Q packed for attention took four divisions per element). Else None."""
+    if v.mask is not None or v.offset != 0:
+        return None
+    out = []
+    used = set()
+    for k, c in enumerate(contiguous_strides(tuple(src_shape))):
+        if src_shape[k] == 1:
+            out.append(None)
+            continue
+        j = next((j for j in range(len(v.shape)) if j not in used and v.strides[j] == c
+                  and v.shape[j] == src_shape[k]), None)
+        if j is None:
+            return None
+        used.add(j)
+        out.append(j)
+    if any(v.strides[j] != 0 and v.shape[j] != 1 for j in range(len(v.shape)) if j not in used):
+        return None
+    return tuple(out)
+
+
 def _sum(terms: list[str]) -> str:
     terms = [t for t in terms if t != "0"]
     return "(" + " + ".join(terms) + ")" if terms else "0"
@@ -294,6 +318,10 @@ class _KernelWriter:
         self.row_col: Optional[str] = None  # attention kernels: the loop variable along the row
         self.gemm_flat: Optional[str] = None  # GEMM epilogues: C flat, when its order is the GEMM node's
         self.gemm_base = ""  # subtracted from a flat index into gemm_flat (a block of C's rows)
+        # attention kernels: members a reduction loop stored per column of the row, to be read
+        # back by the later loops instead of computed again (a softmax's exponentials)
+        self.row_store: dict[int, str] = {}  # planned: node -> its row array
+        self.row_cache: dict[int, tuple[str, tuple]] = {}  # stored: node -> (row array, the row's index)
 
     def let(self, expr: str) -> str:
         if expr.isidentifier() or expr.isdigit():
@@ -348,6 +376,11 @@ class _KernelWriter:
         n = self.g.nodes[j]
         if j in self.row_values:
             return self.row_values[j]
+        if j in self.row_cache:
+            arr, ridx = self.row_cache[j]
+            a = self.k.axis
+            if all(x == y for t, (x, y) in enumerate(zip(idx, ridx)) if t != a):  # this row, any column
+                return f"{arr}[np.uint64({idx[a]})]"
         if j in self.reads:
             return self.load(n.dtype, _at(self.reads[j], self.flat(n.shape, idx)))
         if self.gemm_value is not None and j == self.gemm_value[0]:
@@ -423,7 +456,9 @@ class _KernelWriter:
             if inner is not None and self.gemm_flat and root == self.gemm_value[0]:
                 val = _at(self.gemm_flat, flat + self.gemm_base)
                 break
-            cur = self.unravel(self.let(flat), src_shape)
+            mapped = _axis_map(v, src_shape)
+            cur = (tuple("0" if m is None else cur[m] for m in mapped) if mapped is not None
+                   else self.unravel(self.let(flat), src_shape))
         else:
             self.guarded += bool(conds)
             val = self.value(root, cur)
@@ -576,7 +611,19 @@ class _KernelWriter:
                   f"        m0 = (t % nt) * {T}",
                   f"        m1 = min(m0 + {T}, {_d(Mt)})",
                   f"        st = np.empty(({T}, {_d(Ns)}), dtype=np.float32)",
-                  f"        pt = np.empty(({T}, {_d(Ns)}), dtype=np.float32)",
+                  f"        pt = np.empty(({T}, {_d(Ns)}), dtype=np.float32)"]
+        # a sum's input the row's later loops read again (a softmax's exponentials) is kept per
+        # column while the sum is taken: one exp2 per score instead of two
+        reductions = [q for q in k.nodes if q not in (gs, gp) and g.nodes[q].op in GroupOp.Reduce]
+        if _fits_in_cache(S[a]):
+            for q in reductions:
+                src = g.nodes[q].inputs[0]
+                n = g.nodes[src]
+                if (g.nodes[q].op is Op.SUM_REDUCE and n.op is Op.EXP2 and src in self.shared
+                        and src not in self.reads and tuple(n.shape) == tuple(S)):
+                    self.row_store[src] = f"e{src}"
+                    lines.append(f"        e{src} = np.empty({_d(Ns)}, dtype={_COMPUTE[n.dtype]})")
+        lines += [
                   f"        np.dot({q_at.format(bi='bi')}[m0:m1], {k_at.format(bi='bi')}, st[0:m1 - m0])",
                   "        for r in range(m1 - m0):",
                   f"            rho = bi * {_d(Mt)} + m0 + r"]
@@ -588,8 +635,7 @@ class _KernelWriter:
         # GEMM's value is the tile's row r at the loop's column (kept in f32, as in an epilogue)
         self.gemm_value = (gs, Fs, list(sa.batch_axes), list(sa.m_axes), list(sa.n_axes), "st[r, np.uint64({col})]")
         self.row_col = "ra"
-        lines += self.row_reductions(pad, tuple(idx), [q for q in k.nodes if q not in (gs, gp)
-                                                       and g.nodes[q].op in GroupOp.Reduce])
+        lines += self.row_reductions(pad, tuple(idx), reductions)
         oidx = list(idx)
         oidx[a] = "ia"
         lines.append(pad + f"for ia in range({_d(S[a])}):")
@@ -690,6 +736,9 @@ class _KernelWriter:
         lines = [pad + f"{acc} = {init}"] + ([pad + f"{acc}n = False"] if nan else [])
         lines.append(pad + f"for ra in range({_d(self.g.nodes[src].shape[r.axis])}):")
         lines += self.statement(pad + "    ", lambda: f"v = {self.value(src, tuple(ridx))}")
+        if src in self.row_store:
+            lines.append(pad + f"    {self.row_store[src]}[np.uint64(ra)] = v")
+            self.row_cache[src] = (self.row_store.pop(src), tuple(ridx))
         if is_max:
             # branch-free, so the loop vectorizes: a select for the max and a flag for NaN,
             # which is sticky as in torch.max
@@ -973,7 +1022,9 @@ class _KernelWriter:
     def _operand_view(self, name, role, root, spec: Optional[ViewSpec], b_axes, x_axes, k, F, Bt, Xt, K, dtype):
         """_operand's lines, matrix and row flag when the operand is a view BLAS takes as it is
         (strides [batch, X, K] or [batch, K, X], contiguous); else None."""
-        if spec is not None and not dtype.is_half:  # BLAS takes f32; 16-bit floats widen into a copy
+        # BLAS takes f32 (16-bit floats widen into a copy) from a buffer (an operand the kernel
+        # computes, an attention's scaled Q, is packed as it is computed)
+        if spec is not None and not dtype.is_half and root in self.reads:
             buf = self.reads[root]
             st = spec.strides
             sizes_bxk = tuple(F[j] for j in b_axes + x_axes) + (K,)

@@ -415,11 +415,24 @@ class Executor:
                         t0 = time.perf_counter()
                         self.run_session(s, inputs)
                         times[i].append(time.perf_counter() - t0)
-            for cs, t in zip(candidate_spans, times):
+            relative = paired_ratios(times)
+            for cs, t, rel in zip(candidate_spans, times, relative):
                 cs.set_attribute("kiln.median_ms", statistics.median(t) * 1e3)
                 cs.set_attribute("kiln.min_ms", min(t) * 1e3)
+                cs.set_attribute("kiln.relative", rel)
                 cs.end()
-        return [(b, statistics.median(t), min(t)) for b, t in zip(bundles, times)]
+        return [(b, statistics.median(t), min(t), rel) for b, t, rel in zip(bundles, times, relative)]
+
+
+def paired_ratios(times: Sequence[Sequence[float]]) -> list[float]:
+    """Per candidate, the median over rounds of its time over the round's fastest time. A round
+    times every candidate back to back, so a machine that slows down for a while (another
+    tenant, a lower clock) slows the whole round and the ratio stays: on a shared 2-core VM
+    the same BERT bundle ran 63 ms for nine rounds, then 75 ms, which moved the medians of two
+    candidates 3 ms apart in the wrong order; their paired ratios were 1.00 and 1.04."""
+    rounds = range(min(len(t) for t in times))
+    fastest = [min(t[j] for t in times) for j in rounds]
+    return [statistics.median(t[j] / fastest[j] for j in rounds) for t in times]
 
 
 def random_inputs(specs: Sequence[TensorSpec], env: Mapping[str, int]) -> list[tuple[str, np.ndarray]]:

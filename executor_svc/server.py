@@ -49,8 +49,9 @@ class ExecutorServicer(services_pb2_grpc.ExecutorServicer):
         timings = self.executor.profile(bundles, Digest.from_pb(request.manifest), request.repeats or 20,
                                         dict(request.symbols))
         return services_pb2.ProfileResponse(timings=[
-            services_pb2.BundleTiming(bundle=b.to_pb(), median_s=med, min_s=lo, repeats=request.repeats or 20)
-            for b, med, lo in timings])
+            services_pb2.BundleTiming(bundle=b.to_pb(), median_s=med, min_s=lo, repeats=request.repeats or 20,
+                                      relative=rel)
+            for b, med, lo, rel in timings])
 
     @rpc_stream
     def Generate(self, request, context):

@@ -41,7 +41,7 @@ def default_candidates() -> int:
 CHOOSE_REPEATS = 20
 # cuda launch shapes (threads per block, GEMM tile) timed besides the default (128, 16)
 CUDA_LAUNCH_SHAPES = ((256, 16), (64, 8), (128, 32))
-CHOOSE_VERSION = "choose-2"
+CHOOSE_VERSION = "choose-3"  # 3: chosen by paired ratios
 
 
 @dataclass
@@ -237,12 +237,13 @@ class Pipeline:
 
     def profile(self, bundles: Sequence[Digest], manifest: Digest, repeats: int = 20,
                 symbols: Optional[dict] = None) -> list[tuple[Digest, float, float]]:
-        """Time candidate bundles on the executor: (bundle, median s, min s) each."""
+        """Time candidate bundles on the executor: (bundle, median s, min s, relative) each, relative
+        the median over interleaved rounds of its time over the round's fastest."""
         if "executor" in self.addresses:
             req = services_pb2.ProfileRequest(bundles=[b.to_pb() for b in bundles], manifest=manifest.to_pb(),
                                               repeats=repeats, symbols=symbols or {})
             r = _call(self._stub("executor").Profile, req, self.timeout)
-            return [(Digest.from_pb(t.bundle), t.median_s, t.min_s) for t in r.timings]
+            return [(Digest.from_pb(t.bundle), t.median_s, t.min_s, t.relative) for t in r.timings]
         return self._local_executor().profile(bundles, manifest, repeats, symbols)
 
     # ---- whole compiles ----
@@ -295,11 +296,13 @@ class Pipeline:
             return hit["kernel_graph"], out
         with span("kiln.choose", **{"kiln.candidates": len(kgs)}) as s:
             timings = self.profile(bundles, manifest, repeats=CHOOSE_REPEATS)
-            best = min(range(len(kgs)), key=lambda i: timings[i][1])
+            # by paired ratios, not medians: a machine that slows for part of the timing moves
+            # medians but not the ratios within a round (executor.paired_ratios)
+            best = min(range(len(kgs)), key=lambda i: (timings[i][3], timings[i][1]))
             s.set_attribute("kiln.chosen", best)
         out = services_pb2.OptimizeReport()
         out.CopyFrom(report)
-        for i, (c, (_, median, _)) in enumerate(zip(out.candidates, timings)):
+        for i, (c, (_, median, _, _)) in enumerate(zip(out.candidates, timings)):
             c.measured_s = median
             c.chosen = i == best
         out.kernels = out.candidates[best].kernels

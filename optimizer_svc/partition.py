@@ -223,9 +223,20 @@ def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Ker
             if any(view_root(g, x)[0] == e and m not in aligned for m in members
                    if g.nodes[m].op is not Op.VIEW for x in g.nodes[m].inputs):
                 continue
-            nodes = tuple(sorted(set(qk.nodes) | members | set(pv.nodes)))
-            reads = tuple(sorted((set(qk.reads) | set(r.reads) | set(pv.reads)) - {e, p}))
-            fused[pv.output] = Kernel("", "attention", nodes, pv.output, reads, False, a, gi)
+            nodes = set(qk.nodes) | members | set(pv.nodes)
+            reads = (set(qk.reads) | set(r.reads) | set(pv.reads)) - {e, p}
+            # an operand computed by an elementwise kernel only this attention reads (Q scaled by
+            # 1/sqrt(d), a rotary embedding) is computed as the kernel packs the operand
+            for root in {gemm_axes(g, gi).a_root, gemm_axes(g, gi).b_root, pa.b_root}:
+                ek = by_output.get(root)
+                if (ek is not None and ek.kind == "elementwise" and root not in outputs and root not in gone
+                        and not g.nodes[root].dtype.is_half
+                        and all(u in nodes for u, _ in _readers(g, users, root))):
+                    nodes |= set(ek.nodes)
+                    reads = (reads | set(ek.reads)) - {root}
+                    gone.add(root)
+            fused[pv.output] = Kernel("", "attention", tuple(sorted(nodes)), pv.output, tuple(sorted(reads)),
+                                      False, a, gi)
             gone |= {qk.output, r.output}
             break
     out = []

@@ -78,10 +78,28 @@ def test_profile_times_candidates_over_grpc(remote_pipeline):
     r1, r2 = searched.result, unsearched.result
     timings = remote_pipeline.profile([r1.bundle, r2.bundle], r1.manifest, repeats=5)
     assert [t[0] for t in timings] == [r1.bundle, r2.bundle]
-    assert all(0 < lo <= med for _, med, lo in timings)
+    assert all(0 < lo <= med and rel >= 1 for _, med, lo, rel in timings)
     d, p = remote_pipeline.calibrate()
     assert remote_pipeline.store.get_message(d, services_pb2.TargetProfile) == p
     assert remote_pipeline.known_profile() == d  # Calibrate(lookup_only) over gRPC
+
+
+def test_candidates_are_ranked_by_paired_ratios_not_medians():
+    """20 rounds; the machine slows by 20% after candidate b's run of round 10 (a VM's neighbour
+    wakes up). b is 3% slower than a in every round but that one, so it is the worse program,
+    yet its median is the lower: half the rounds fast and half slow put each median at the
+    edge between the two, where one round decides. The ratio to the round's fastest run is
+    immune to the level: a ranks first."""
+    import statistics
+
+    from executor_svc.executor import paired_ratios
+
+    a = [100.0] * 10 + [120.0] * 10
+    b = [103.0] * 11 + [123.6] * 9
+    assert statistics.median(b) < statistics.median(a)  # medians would keep b
+    rel = paired_ratios([a, b])
+    assert rel[0] == 1.0 and rel[1] == pytest.approx(1.03)
+    assert paired_ratios([[5.0, 6.0, 7.0]]) == [1.0]  # one candidate is its own fastest
 
 
 def test_each_timed_run_follows_one_of_its_own(local_pipeline, monkeypatch):

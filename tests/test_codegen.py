@@ -401,6 +401,14 @@ def test_attention_is_one_kernel(local_pipeline, dtype, case):
     compiled = kiln.compile(Fn(fn), tuple(args), pipeline=local_pipeline, candidates=1)
     assert _kinds(local_pipeline, compiled).count("attention") == 1
     assert "row" not in _kinds(local_pipeline, compiled)
+    if case == "plain" and dtype is torch.float32:
+        # Q·s is computed as the kernel packs Q (no kernel of its own; the output's reshape is
+        # written in place), and each score's exponential once: kept for the row while its sum
+        # is taken
+        kernels = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle).kernels
+        assert [k.kind for k in kernels] == ["attention"], [k.kind for k in kernels]
+        body = kernels[0].source[kernels[0].source.index("def k_"):]
+        assert body.count("_exp2(") == 1, body
     got, ref = compiled(*args).float(), fn(*args).float()
     tol = 1e-5 if dtype is torch.float32 else 3e-2  # bf16: P and the output rounded to 8 bits
     assert torch.allclose(got, ref, rtol=tol, atol=tol, equal_nan=True), (got - ref).abs().max()
