@@ -291,7 +291,7 @@ class Pipeline:
             out = services_pb2.OptimizeReport()
             out.CopyFrom(report)
             for c, t in zip(out.candidates, timed.candidates):
-                c.measured_s, c.chosen = t.measured_s, t.chosen
+                c.measured_s, c.relative, c.chosen = t.measured_s, t.relative, t.chosen
             out.kernels = timed.kernels
             return hit["kernel_graph"], out
         with span("kiln.choose", **{"kiln.candidates": len(kgs)}) as s:
@@ -302,8 +302,8 @@ class Pipeline:
             s.set_attribute("kiln.chosen", best)
         out = services_pb2.OptimizeReport()
         out.CopyFrom(report)
-        for i, (c, (_, median, _, _)) in enumerate(zip(out.candidates, timings)):
-            c.measured_s = median
+        for i, (c, (_, median, _, relative)) in enumerate(zip(out.candidates, timings)):
+            c.measured_s, c.relative = median, relative
             c.chosen = i == best
         out.kernels = out.candidates[best].kernels
         cache.record(self.store, key, {"kernel_graph": kgs[best], "report": self.store.put_message(out)})

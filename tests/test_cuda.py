@@ -170,7 +170,7 @@ def test_launch_shapes_are_timed_candidates_and_the_fastest_is_kept(local_pipeli
     shapes = {(c.block, c.tile) for c in cands}
     assert {(0, 0), (256, 16), (64, 8), (128, 32)} <= shapes and all(c.measured_s > 0 for c in cands)
     chosen = next(c for c in cands if c.chosen)
-    assert chosen.measured_s == min(c.measured_s for c in cands)
+    assert (chosen.relative, chosen.measured_s) == min((c.relative, c.measured_s) for c in cands)
     emitted = local_pipeline.emit(Digest.from_pb(chosen.kernel_graph), "cuda", chosen.block, chosen.tile)[0]
     assert compiled.result.bundle == emitted
     with torch.no_grad():
