@@ -41,7 +41,7 @@ def default_candidates() -> int:
 CHOOSE_REPEATS = 20
 # cuda launch shapes (threads per block, GEMM tile) timed besides the default (128, 16)
 CUDA_LAUNCH_SHAPES = ((256, 16), (64, 8), (128, 32))
-CHOOSE_VERSION = "choose-3"  # 3: chosen by paired ratios
+CHOOSE_VERSION = "choose-4"  # 4: chosen by paired ratios, recorded in the report
 
 
 @dataclass
