@@ -231,7 +231,9 @@ def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Ker
                 ek = by_output.get(root)
                 if (ek is not None and ek.kind == "elementwise" and root not in outputs and root not in gone
                         and not g.nodes[root].dtype.is_half
-                        and all(u in nodes for u, _ in _readers(g, users, root))):
+                        and all(u in nodes for u, _ in _readers(g, users, root))
+                        and not any(root in k.reads for k in kernels if k.output not in (qk.output, r.output,
+                                                                                          pv.output))):
                     nodes |= set(ek.nodes)
                     reads = (reads | set(ek.reads)) - {root}
                     gone.add(root)

@@ -35,15 +35,21 @@ def _compiled(width: int):
 
 @pytest.mark.skipif(512 not in host_widths(), reason="this CPU has no 512-bit vectors (AVX-512F)")
 def test_width_reaches_the_parallel_loops_llvm_vectorizes():
-    default, default_asm = _compiled(0)
+    """LLVM's own width depends on the CPU (256 bits on AVX-512 Intel parts, 512 on AMD Zen 4),
+    so each asked width is checked by the registers its code uses, not against LLVM's."""
+    default, _ = _compiled(0)
     wide, wide_asm = _compiled(512)
+    mid, mid_asm = _compiled(256)
     narrow, narrow_asm = _compiled(128)
     # the loops live in the gufunc numba outlines from the prange: linked into the kernel's library
-    assert wide_asm.count("zmm") > 4 * max(1, default_asm.count("zmm")), (wide_asm.count("zmm"),
-                                                                          default_asm.count("zmm"))
-    assert "zmm" not in narrow_asm
-    np.testing.assert_allclose(wide, default, rtol=1e-6)
-    np.testing.assert_allclose(narrow, default, rtol=1e-6)
+    # (a few zmm moves of stack copies stay in numba's own scaffolding, which is not the loops':
+    # here 125 zmm at 512, 8 at 256, 2 at 128; ymm 54, 137, 30)
+    counts = {w: (asm.count("zmm"), asm.count("ymm")) for w, asm in
+              ((512, wide_asm), (256, mid_asm), (128, narrow_asm))}
+    assert counts[512][0] > 4 * counts[256][0] and counts[512][0] > 4 * counts[128][0], counts
+    assert counts[256][1] > 2 * counts[512][1] and counts[256][1] > 2 * counts[128][1], counts
+    for got in (wide, mid, narrow):
+        np.testing.assert_allclose(got, default, rtol=1e-6)
 
 
 def test_unknown_widths_are_refused():
