@@ -427,9 +427,10 @@ class Executor:
 def paired_ratios(times: Sequence[Sequence[float]]) -> list[float]:
     """Per candidate, the median over rounds of its time over the round's fastest time. A round
     times every candidate back to back, so a machine that slows down for a while (another
-    tenant, a lower clock) slows the whole round and the ratio stays: on a shared 2-core VM
-    the same BERT bundle ran 63 ms for nine rounds, then 75 ms, which moved the medians of two
-    candidates 3 ms apart in the wrong order; their paired ratios were 1.00 and 1.04."""
+    tenant, a lower clock) slows the whole round and the ratio stays. On a shared 2-core VM a
+    BERT bundle ran 63 ms for nine of 30 rounds, then 75 ms: each median then sits in whichever
+    phase most of its runs fell in, and with half the rounds in each it sits on the edge between
+    them, where one run decides (test_candidates_are_ranked_by_paired_ratios_not_medians)."""
     rounds = range(min(len(t) for t in times))
     fastest = [min(t[j] for t in times) for j in rounds]
     return [statistics.median(t[j] / fastest[j] for j in rounds) for t in times]

@@ -53,7 +53,8 @@ def cmd_compile(args) -> int:
         out["predicted_ms"] = r.report.predicted_s * 1e3
     if len(r.report.candidates) > 1:
         out["candidates"] = [{"schedule": c.schedule, "kernels": c.kernels, "predicted_ms": c.predicted_s * 1e3,
-                              "measured_ms": c.measured_s * 1e3, "relative": c.relative, "chosen": c.chosen} for c in r.report.candidates]
+                              "measured_ms": c.measured_s * 1e3, "relative": c.relative, "chosen": c.chosen}
+                             for c in r.report.candidates]
     print(json.dumps(out, indent=2))
     return 0
 

@@ -236,7 +236,7 @@ class Pipeline:
         return known[0] if known is not None else None
 
     def profile(self, bundles: Sequence[Digest], manifest: Digest, repeats: int = 20,
-                symbols: Optional[dict] = None) -> list[tuple[Digest, float, float]]:
+                symbols: Optional[dict] = None) -> list[tuple[Digest, float, float, float]]:
         """Time candidate bundles on the executor: (bundle, median s, min s, relative) each, relative
         the median over interleaved rounds of its time over the round's fastest."""
         if "executor" in self.addresses:
