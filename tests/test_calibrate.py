@@ -85,11 +85,11 @@ def test_profile_times_candidates_over_grpc(remote_pipeline):
 
 
 def test_candidates_are_ranked_by_paired_ratios_not_medians():
-    """20 rounds; the machine slows by 20% after candidate b's run of round 10 (a VM's neighbour
-    wakes up). b is 3% slower than a in every round but that one, so it is the worse program,
-    yet its median is the lower: half the rounds fast and half slow put each median at the
-    edge between the two, where one round decides. The ratio to the round's fastest run is
-    immune to the level: a ranks first."""
+    """20 rounds; from round 10 on the machine is 20% slower (a VM's neighbour wakes up), except
+    that b's run of round 10 fell in a lull. b is 3% slower than a in every other round, so it
+    is the worse program, yet its median is the lower: half the rounds fast and half slow put
+    each median at the edge between the two, where one run decides. The ratio to the round's
+    fastest run does not see the level: a ranks first."""
     import statistics
 
     from executor_svc.executor import paired_ratios
