@@ -148,7 +148,7 @@ def measure(target: str = "cpu", repeats: int = 7) -> services_pb2.TargetProfile
                     j = np.uint64(t * chunk + i)
                     c[j] = np.float32(0.5) * c[j] + a[j] * b[j]
 
-    def in_cache(width: int = 0):  # that loop, compiled as a kernel scheduled with this vector width is
+    def in_cache(width: int = 0):  # that loop, compiled as a kernel scheduled with this vector width
         options = {"pipeline_class": vector_pipeline(width)} if width else {}
         return njit(parallel=True, cache=False, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"},
                     **options)(passes_over_cache)

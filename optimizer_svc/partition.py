@@ -227,7 +227,8 @@ def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Ker
             reads = (set(qk.reads) | set(r.reads) | set(pv.reads)) - {e, p}
             # an operand computed by an elementwise kernel only this attention reads (Q scaled by
             # 1/sqrt(d), a rotary embedding) is computed as the kernel packs the operand
-            for root in {gemm_axes(g, gi).a_root, gemm_axes(g, gi).b_root, pa.b_root}:
+            sa = gemm_axes(g, gi)
+            for root in {sa.a_root, sa.b_root, pa.b_root}:
                 ek = by_output.get(root)
                 if (ek is not None and ek.kind == "elementwise" and root not in outputs and root not in gone
                         and not g.nodes[root].dtype.is_half

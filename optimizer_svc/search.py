@@ -663,13 +663,13 @@ def order_factor(inner: int, axis_outer: bool) -> float:
 TILE_CACHE_BYTES = 1 << 18  # an attention tile's scores, probabilities and output rows stay in cache up to this
 C_CACHE_BYTES = 1 << 21  # a GEMM's block of C stays in cache from BLAS writing it to its epilogue reading it up to this
 VECTOR_TIE = 1e-3  # what asking LLVM for a vector width costs over not asking: equal work keeps its own choice
+GEMM_PACK = 1.0  # per element of B: BLAS packs B again for every call (a tile of rows) after the first
 
 
 def width_matters(reduce_read_bytes: int) -> bool:
     """Whether a reduction reading this many bytes runs from cache, where its vector width can
     matter (streamed from memory, it cannot); extraction and the roofline (cost.predict) both ask."""
     return reduce_read_bytes <= C_CACHE_BYTES
-GEMM_PACK = 1.0  # per element of B: BLAS packs B again for every call (a tile of rows) after the first
 
 
 def gemm_tile_extra(rows: int, n: int, k: int, tile: int, epilogue: bool = True) -> tuple[int, float]:
