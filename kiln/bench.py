@@ -2,7 +2,8 @@
 
 Each model is run by the three in one process, on the same thread count, interleaved call by
 call after warm-up; latencies are medians. Peak memory is the rise of the process's resident
-set over one call of each (the heap trimmed first, VmHWM reset through /proc/self/clear_refs). For models with
+set over one call of each (the heap trimmed first, VmHWM reset through /proc/self/clear_refs),
+the median of PEAK_SAMPLES such calls, interleaved like the timings. For models with
 GEMMs the harness also times BLAS sgemm (torch.mm) on each GEMM shape of kiln's kernel graph,
 all shapes in turn as a fourth runner interleaved with the three: the model's GEMM flops over
 that time is the roofline kiln is held against.
@@ -22,6 +23,9 @@ from typing import Callable, Optional
 import torch
 
 MODELS = ("mlp", "llama-seq1", "llama-seq128", "bert", "resnet")
+# One call's rise is one sample of something noisy: torch's peak for tiny Llama at seq 128 read
+# 1.055, 1.496 and 1.809 MB in three runs (where its allocator finds room differs call to call)
+PEAK_SAMPLES = 5
 
 
 @dataclass
@@ -164,7 +168,11 @@ def bench(name: str, repeats: int = 20, warmup: int = 5, inductor: bool = True, 
                 t = time.perf_counter()
                 f()
                 times[key].append(time.perf_counter() - t)
-        peaks = {key: _peak_mb(f) for key, f in runners.items() if key != "sgemm"}
+        samples: dict[str, list[float]] = {key: [] for key in runners if key != "sgemm"}
+        for _ in range(PEAK_SAMPLES):
+            for key, got_peak in samples.items():
+                got_peak.append(_peak_mb(runners[key]))
+        peaks = {key: statistics.median(v) for key, v in samples.items()}
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     gflop = sum(2.0 * b * m * n * k for b, m, n, k in shapes) / 1e9
     sgemm = med.get("sgemm")
