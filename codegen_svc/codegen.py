@@ -64,11 +64,12 @@ def emit(store: BlobStore, kg_d: Digest, target: str = "cpu", deadline: Optional
         if kg.prepare is not None:
             bundle.prepare.CopyFrom(graph_to_pb(kg.prepare))
         for slot in prog.memory.slots:
-            p = bundle.memory.slots.add(slot=slot.slot, dtype=dtype_to_pb(slot.dtype))
+            p = bundle.memory.slots.add(slot=slot.slot, dtype=dtype_to_pb(slot.dtype), offset=slot.offset or 0)
             dim_to_pb(slot.elements, p.elements)
         for node, slot in prog.memory.node_slot.items():
             bundle.memory.node_slot[node] = slot
         bundle.memory.peak_bytes = prog.memory.peak_bytes
+        bundle.memory.arena_bytes = prog.memory.arena_bytes
         d = store.put_message(bundle)
         current_span().set_attribute("kiln.bundle", str(d))
         cache.record(store, key, {"bundle": d})

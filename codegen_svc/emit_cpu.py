@@ -30,7 +30,7 @@ from kiln.ir.view import ViewSpec
 from kiln.telemetry import span
 from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, compose_chain, flat_reads, gemm_axes,
                              gemm_dims, gemm_writes_rows, kernel_gemm, name_kernel, view_root)
-from codegen_svc.memory import MemoryPlan, plan_memory
+from codegen_svc.memory import ALIGN, MemoryPlan, plan_memory
 
 EPILOGUE_ROWS = DEFAULT_GEMM_TILE  # rows of C a GEMM's epilogue works on at a time, where the search chose no tile
 # a GEMM whose B is this small (elements) is cheap to stream again per BLAS call: its blocks of
@@ -1231,11 +1231,12 @@ def emit_cpu(kg: KernelGraph) -> Program:
 
 
 def emit_program(kg: KernelGraph, writer, module_of, header: str, entry_decorator: str, alloc: str,
-                 copy: str) -> Program:
+                 copy: str, arena: bool = True) -> Program:
     """Each kernel's module (written by `writer`, wrapped by `module_of`) and the entry module,
-    which allocates the memory plan's buffers with `alloc` and calls the kernels in order."""
+    which allocates the memory plan's buffers with `alloc` (in one arena when `arena` and the
+    sizes are static) and calls the kernels in order."""
     g = kg.graph
-    plan = plan_memory(kg)
+    plan = plan_memory(kg, arena)
     kernels = []
     for t, k in enumerate(kg.kernels):
         if t in plan.skipped:  # a copy into an output that its producer now writes directly
@@ -1273,8 +1274,15 @@ def _emit_entry(kg: KernelGraph, plan: MemoryPlan, symbols: list[str], decorator
     syms = [SYMBOL_PREFIX + s for s in syms] + [THREADS_ARG]  # passed on to every kernel
     lines = ([decorator] if decorator else []) + [f"def run_graph({', '.join(args + syms)}):"]
     # bind symbolic dims from the input shapes
+    if plan.arena_bytes:  # one allocation, aligned by hand: each slot a view at its offset
+        lines += [f"    arena = {alloc}({plan.arena_bytes + ALIGN}, dtype=np.uint8)",
+                  f"    a0 = ({ALIGN} - arena.ctypes.data % {ALIGN}) % {ALIGN}"]
     for slot in plan.slots:
-        lines.append(f"    s{slot.slot} = {alloc}({_d(slot.elements)}, dtype={_NP[slot.dtype]})")
+        if plan.arena_bytes:
+            end = slot.offset + slot.elements * slot.dtype.itemsize
+            lines.append(f"    s{slot.slot} = arena[a0 + {slot.offset}:a0 + {end}].view({_NP[slot.dtype]})")
+        else:
+            lines.append(f"    s{slot.slot} = {alloc}({_d(slot.elements)}, dtype={_NP[slot.dtype]})")
     outs = set(g.outputs)
     out_buf: dict[int, str] = {}
     for o in g.outputs:

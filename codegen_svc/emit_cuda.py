@@ -421,4 +421,5 @@ def emit_cuda(kg: KernelGraph, block: int = BLOCK, tile: int = TILE) -> Program:
     launches, `tile` x `tile` GEMM tiles (the launch shapes a compile's timed candidates vary)."""
     check_launch(block, tile)
     return emit_program(kg, lambda g, k, c: _CudaKernelWriter(g, k, c, block, tile), cuda_kernel_module, HEADER, "",
-                        "cuda.device_array", "")
+                        "cuda.device_array", "", arena=False)  # a slot per device array: views into one
+    # device arena would need DeviceNDArray.view, which no device here has checked

@@ -1,7 +1,14 @@
-"""Memory plan: intermediate buffers share slots by liveness, and outputs that only reshape an
+"""Memory plan: intermediate buffers share memory by liveness, and outputs that only reshape an
 intermediate take its place.
 
-Slots: each buffer takes a free slot of its dtype (free once the previous occupant's last
+Arena (every intermediate's size static): one allocation per run, each buffer at a byte offset
+in it. Buffers are placed largest first, each at the lowest 64-byte-aligned offset where it
+overlaps no buffer live at the same time (a buffer is live from the kernel that writes it to
+the last kernel that reads it, both included, so no kernel's output overlaps its inputs). The
+arena is then as large as the most memory live at any one kernel, or close: for tiny Llama at
+seq 128, 442,368 bytes, where slots took 546,816.
+
+Slots (some size symbolic): each buffer takes a free slot of its dtype (free once the previous occupant's last
 reader ran), the smallest that holds it, else the largest free one grown to fit (slots are
 allocated once per run at their final size), else a new one.
 
@@ -13,6 +20,7 @@ into the output's buffer directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from kiln.ir.dtypes import DType
 from kiln.ir.kernel import KernelGraph, compose_chain, flat_preserving, view_root
@@ -25,6 +33,10 @@ class Slot:
     slot: int
     dtype: DType
     elements: Dim
+    offset: Optional[int] = None  # bytes into the arena, in a plan that packs one
+
+
+ALIGN = 64  # bytes: a cache line, and an AVX-512 vector
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,7 @@ class MemoryPlan:
     naive_bytes: int         # what one buffer per intermediate would take
     aliases: dict[int, int]  # intermediate node -> the graph output whose buffer it is written into
     skipped: frozenset[int]  # kernels (by index) not run: the copies the aliases make unnecessary
+    arena_bytes: int = 0     # the arena every slot lies in; 0: each slot is allocated on its own
 
 
 def _bytes(elements: Dim, dtype: DType, env) -> int:
@@ -66,7 +79,8 @@ def output_aliases(kg: KernelGraph) -> dict[int, tuple[int, int]]:
     return out
 
 
-def plan_memory(kg: KernelGraph) -> MemoryPlan:
+def plan_memory(kg: KernelGraph, arena: bool = True) -> MemoryPlan:
+    """`arena`: place the buffers in one arena when every size is static (else slots)."""
     g = kg.graph
     outputs = set(g.outputs)
     alias_of = output_aliases(kg)
@@ -107,8 +121,37 @@ def plan_memory(kg: KernelGraph) -> MemoryPlan:
             choice = len(slots) - 1
         free_at[choice] = end
         node_slot[o] = choice
+    lives = [(o, t, last_use.get(o, t)) for t, k in enumerate(kg.kernels) for o in [k.output] if o in node_slot]
+    if arena and all(isinstance(numel(g.nodes[o].shape), int) for o, _, _ in lives):
+        slots, node_slot, top = _pack(g, lives)
+        return MemoryPlan(tuple(slots), node_slot, top + out_bytes, naive + out_bytes, aliases, frozenset(alias_of),
+                          top)
     peak = sum(_bytes(s.elements, s.dtype, env) for s in slots) + out_bytes
     return MemoryPlan(tuple(slots), node_slot, peak, naive + out_bytes, aliases, frozenset(alias_of))
+
+
+def _pack(g, lives: list[tuple[int, int, int]]) -> tuple[list[Slot], dict[int, int], int]:
+    """(a slot per buffer, at its offset; node -> slot; arena bytes) for buffers (node, first
+    kernel, last kernel): largest first, each at the lowest aligned offset clear of the buffers
+    placed so far whose lives overlap its own."""
+    placed: list[tuple[int, int, int, int]] = []  # offset, bytes, first, last
+    slots: list[Slot] = []
+    node_slot: dict[int, int] = {}
+    top = 0
+    for o, first, last in sorted(lives, key=lambda x: (-numel(g.nodes[x[0]].shape) * g.nodes[x[0]].dtype.itemsize,
+                                                       x[1])):
+        n = g.nodes[o]
+        size = numel(n.shape) * n.dtype.itemsize
+        offset = 0
+        for lo, hi in sorted((p, p + b) for p, b, f, e in placed if f <= last and first <= e):
+            if offset + size <= lo:
+                break
+            offset = max(offset, -(-hi // ALIGN) * ALIGN)
+        placed.append((offset, size, first, last))
+        node_slot[o] = len(slots)
+        slots.append(Slot(len(slots), n.dtype, numel(n.shape), offset))
+        top = max(top, offset + size)
+    return slots, node_slot, -(-top // ALIGN) * ALIGN
 
 
 def _fits(need: Dim, have: Dim) -> bool:

@@ -56,8 +56,8 @@ class MemoryNeed:
 
     @staticmethod
     def of(bundle) -> "MemoryNeed":
-        total: Dim = 0
-        for s in bundle.memory.slots:
+        total: Dim = bundle.memory.arena_bytes
+        for s in bundle.memory.slots if not bundle.memory.arena_bytes else ():
             total = dtype_from_pb(s.dtype).itemsize * dim_from_pb(s.elements) + total
         for t in (*bundle.weights, *bundle.inputs, *bundle.outputs):
             spec = tensor_spec_from_pb(t)

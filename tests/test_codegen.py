@@ -482,3 +482,40 @@ def test_output_reshaping_an_intermediate_is_written_in_place(local_pipeline):
     assert calls and calls[0].split("(")[1].startswith("o"), calls  # the GEMM writes an output buffer
     for got, ref in zip(compiled(x), fn(x)):
         assert got.shape == ref.shape and torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_intermediates_share_one_arena_by_liveness(local_pipeline):
+    """With static shapes the memory plan is one arena: buffers of any dtype at byte offsets,
+    overlapping only buffers never live at the same kernel, so the arena is smaller than the
+    buffers laid end to end. Every kernel's live buffers (its inputs and output included) are
+    disjoint, and the program matches torch."""
+    from codegen_svc.memory import ALIGN, plan_memory, output_aliases
+
+    w1, w2, w3 = torch.randn(32, 64), torch.randn(64, 48), torch.randn(48, 32)
+
+    def fn(x):
+        h = torch.relu(x @ w1)
+        keep = h.sum(-1, keepdim=True) > 0  # a bool buffer between float ones
+        g = torch.tanh(h @ w2) * 2.0
+        return torch.where(keep, torch.sigmoid(g @ w3) + x, x)
+
+    x = torch.randn(16, 32)
+    compiled = kiln.compile(Fn(fn), (x,), pipeline=local_pipeline, candidates=1)
+    kg = _kernel_graph(local_pipeline, compiled)
+    plan = plan_memory(kg)
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+    assert bundle.memory.arena_bytes == plan.arena_bytes > 0
+    assert "arena = np.empty(" in bundle.module_source
+    span = {s.slot: (s.offset, s.offset + s.elements * s.dtype.itemsize) for s in plan.slots}
+    assert all(lo % ALIGN == 0 and hi <= plan.arena_bytes for lo, hi in span.values())
+    assert plan.arena_bytes < sum(hi - lo for lo, hi in span.values())  # something was shared
+    skipped = output_aliases(kg)
+    first = {k.output: t for t, k in enumerate(kg.kernels)}
+    last = {}
+    for t, k in enumerate(kg.kernels):
+        for j in k.reads if t not in skipped else ():
+            last[j] = t
+    for t in range(len(kg.kernels)):
+        live = sorted(span[plan.node_slot[o]] for o in plan.node_slot if first[o] <= t <= last.get(o, first[o]))
+        assert all(a[1] <= b[0] for a, b in zip(live, live[1:])), (t, live)
+    assert torch.allclose(compiled(x), fn(x), rtol=1e-5, atol=1e-5)

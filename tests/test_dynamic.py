@@ -26,6 +26,10 @@ def test_encoder_with_symbolic_batch_and_seq(local_pipeline):
         assert out.shape == ref.shape
         assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5), ((b, t), (out - ref).abs().max())
     assert compiled.result.bundle == bundle  # no recompilation
+    from kiln.v1 import ir_pb2
+
+    memory = local_pipeline.store.get_message(bundle, ir_pb2.Bundle).memory
+    assert memory.arena_bytes == 0 and memory.slots  # symbolic sizes: slots, each sized per run
 
 
 def test_out_of_range_and_inconsistent_shapes_are_invalid_argument(local_pipeline):
