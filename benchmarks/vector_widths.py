@@ -55,7 +55,7 @@ def main() -> None:
             digest = pipeline.store.put_message(kernel_graph_to_pb(forced))
             bundle, _, _ = pipeline.emit(digest)
             variants.append((bits, forced, bundle))
-        timings = {str(b): (med, low) for b, med, low, _ in
+        timings = {str(b): (med, low) for b, med, low, _, _ in
                    pipeline.profile([b for _, _, b in variants], compiled.result.manifest, args.repeats)}
         for bits, forced, bundle in variants:
             med, low = timings[str(bundle)]

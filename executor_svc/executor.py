@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -376,10 +377,12 @@ class Executor:
             return self._batchers.setdefault(lm_d, b)
 
     def profile(self, bundles: Sequence[Digest], manifest: Digest, repeats: int = 20,
-                symbols: Mapping[str, int] | None = None) -> list[tuple[Digest, float, float]]:
-        """Time each candidate bundle on the same random inputs: (bundle, median s, min s).
-        Runs are interleaved round-robin, so every candidate sees the same machine state, and each
-        timed run comes right after one of the same candidate, so it starts from its own cache state."""
+                symbols: Mapping[str, int] | None = None) -> list[tuple[Digest, float, float, float, float]]:
+        """Time each candidate bundle on the same random inputs: (bundle, median s, min s,
+        relative, others' share of the machine while it was timed; see paired_ratios and
+        others_busy). Runs are interleaved round-robin, so every candidate sees the same machine
+        state, and each timed run comes right after one of the same candidate, so it starts from
+        its own cache state."""
         if not bundles:
             raise InvalidArgument("Profile needs at least one bundle")
         if not 1 <= repeats <= 10_000:
@@ -405,6 +408,7 @@ class Executor:
             with untraced():
                 for s in sessions:  # warm-up: compiles on first call
                     self.run_session(s, inputs)
+                load = CpuLoad()
                 for _ in range(repeats):
                     for i, s in enumerate(sessions):
                         # each timed run follows an untimed one of its own: a candidate is timed in
@@ -415,13 +419,50 @@ class Executor:
                         t0 = time.perf_counter()
                         self.run_session(s, inputs)
                         times[i].append(time.perf_counter() - t0)
+                others = load.others_busy()
             relative = paired_ratios(times)
             for cs, t, rel in zip(candidate_spans, times, relative):
                 cs.set_attribute("kiln.median_ms", statistics.median(t) * 1e3)
                 cs.set_attribute("kiln.min_ms", min(t) * 1e3)
                 cs.set_attribute("kiln.relative", rel)
+                cs.set_attribute("kiln.others_busy", others)
                 cs.end()
-        return [(b, statistics.median(t), min(t), rel) for b, t, rel in zip(bundles, times, relative)]
+        return [(b, statistics.median(t), min(t), rel, others) for b, t, rel in zip(bundles, times, relative)]
+
+
+class CpuLoad:
+    """How busy the rest of the machine was since this was made: all CPUs' busy time
+    (/proc/stat: user, nice, system, irq, softirq and steal, the last being a VM's neighbours)
+    less this process's own CPU time (getrusage), over the wall time the CPUs had. Paired
+    ratios absorb a machine that is slower for a while as a whole; they do not absorb another
+    process that takes one of two cores from some candidates' runs more than from others'.
+    A choice timed while that happened is not kept (Pipeline.choose)."""
+
+    def __init__(self):
+        self._start = (time.monotonic(), _busy_seconds(), _own_seconds())  # not the timings' clock
+
+    def others_busy(self) -> float:
+        """Others' share of all CPUs' time since construction, 0..1; 0 where /proc/stat is missing."""
+        wall0, busy0, own0 = self._start
+        wall, busy = time.monotonic() - wall0, _busy_seconds()
+        if busy is None or busy0 is None or wall <= 0:
+            return 0.0
+        return min(1.0, max(0.0, (busy - busy0 - (_own_seconds() - own0)) / (wall * (os.cpu_count() or 1))))
+
+
+def _busy_seconds() -> Optional[float]:
+    """Seconds all CPUs have spent busy since boot (/proc/stat's first line), None off Linux."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = ticks
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def paired_ratios(times: Sequence[Sequence[float]]) -> list[float]:

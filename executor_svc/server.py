@@ -50,8 +50,8 @@ class ExecutorServicer(services_pb2_grpc.ExecutorServicer):
                                         dict(request.symbols))
         return services_pb2.ProfileResponse(timings=[
             services_pb2.BundleTiming(bundle=b.to_pb(), median_s=med, min_s=lo, repeats=request.repeats or 20,
-                                      relative=rel)
-            for b, med, lo, rel in timings])
+                                      relative=rel, others_busy=others)
+            for b, med, lo, rel, others in timings])
 
     @rpc_stream
     def Generate(self, request, context):

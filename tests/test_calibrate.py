@@ -78,7 +78,7 @@ def test_profile_times_candidates_over_grpc(remote_pipeline):
     r1, r2 = searched.result, unsearched.result
     timings = remote_pipeline.profile([r1.bundle, r2.bundle], r1.manifest, repeats=5)
     assert [t[0] for t in timings] == [r1.bundle, r2.bundle]
-    assert all(0 < lo <= med and rel >= 1 for _, med, lo, rel in timings)
+    assert all(0 < lo <= med and rel >= 1 and 0 <= others <= 1 for _, med, lo, rel, others in timings)
     d, p = remote_pipeline.calibrate()
     assert remote_pipeline.store.get_message(d, services_pb2.TargetProfile) == p
     assert remote_pipeline.known_profile() == d  # Calibrate(lookup_only) over gRPC
