@@ -610,8 +610,7 @@ class _KernelWriter:
                   "        bi = t // nt",
                   f"        m0 = (t % nt) * {T}",
                   f"        m1 = min(m0 + {T}, {_d(Mt)})",
-                  f"        st = np.empty(({T}, {_d(Ns)}), dtype=np.float32)",
-                  f"        pt = np.empty(({T}, {_d(Ns)}), dtype=np.float32)"]
+                  f"        st = np.empty(({T}, {_d(Ns)}), dtype=np.float32)"]
         # a sum's input the row's later loops read again (a softmax's exponentials) is kept per
         # column while the sum is taken: one exp2 per score instead of two
         reductions = [q for q in k.nodes if q not in (gs, gp) and g.nodes[q].op in GroupOp.Reduce]
@@ -642,13 +641,15 @@ class _KernelWriter:
         # P is rounded as the second GEMM would have read it from its buffer
         rnd = (lambda v: f"{_ROUND[g.nodes[p].dtype]}({v})") if g.nodes[p].dtype.is_half else (lambda v: v)
         self.row_col = "ia"
-        lines += self.statement(pad + "    ", lambda: f"pt[r, np.uint64(ia)] = {rnd(self.value(p, tuple(oidx)))}")
+        # P overwrites the scores in place: P's element ia reads the scores only at column ia
+        # (and the row's reductions, taken before), so no second tile is allocated
+        lines += self.statement(pad + "    ", lambda: f"st[r, np.uint64(ia)] = {rnd(self.value(p, tuple(oidx)))}")
         self.gemm_value = self.row_col = None
         if not out_dtype.is_half:
-            lines.append(f"        np.dot(pt[0:m1 - m0], {v_at.format(bi='bi')}, O[bi, m0:m1])")
+            lines.append(f"        np.dot(st[0:m1 - m0], {v_at.format(bi='bi')}, O[bi, m0:m1])")
             return lines
         lines += [f"        ot = np.empty(({T}, {_d(Np)}), dtype=np.float32)",
-                  f"        np.dot(pt[0:m1 - m0], {v_at.format(bi='bi')}, ot[0:m1 - m0])",
+                  f"        np.dot(st[0:m1 - m0], {v_at.format(bi='bi')}, ot[0:m1 - m0])",
                   "        for r in range(m1 - m0):",
                   f"            base = (bi * {_d(Mt)} + m0 + r) * {_d(Np)}",
                   f"            for c in range({_d(Np)}):",
@@ -841,8 +842,13 @@ class _KernelWriter:
                    and b_at == "B[{bi}].T" and evaluate_dim(Mt, largest) < 2 * GEMM_MIN_ROWS
                    and evaluate_dim(Nt, largest) >= 2 * GEMM_MIN_COLUMNS)
         blocked = Bt == 1 and a_rows and (self.k.parallel or pack_rows or tile) and not columns
-        rows = self._epilogue_rows(gi, Nt) if blocked and not direct else None
-        if direct:
+        epilogue_rows = None if direct else self._epilogue_rows(gi, Nt)
+        rows = epilogue_rows if blocked else None
+        # an epilogue that reads C only where it writes the output (epilogue_rows) runs in place:
+        # BLAS writes C into the output, and no block of C is allocated (a Llama's attention scores
+        # took a 256 KB C beside a 256 KB output, its MLP 64 KB per thread)
+        in_place = epilogue_rows is not None and r.dtype is DType.F32 and out.dtype is DType.F32
+        if direct or in_place:
             lines.append(f"    C = out[0:{_d(numel(r.shape))}].reshape(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}))")
         elif rows is None:  # else no whole C: each block of rows has its own
             lines.append(f"    C = np.empty(({_d(Bt)}, {_d(Mt)}, {_d(Nt)}), dtype={_COMPUTE[r.dtype]})")
@@ -866,7 +872,7 @@ class _KernelWriter:
                 sb = tile or _sub_block_rows(K if pack_rows else 0, Nt if rows is not None else 0, K * Nt)
                 if pack_rows:
                     lines.append(f"        at = np.empty(({sb}, {_d(K)}), dtype={_COMPUTE[r.dtype]})")
-                if rows is not None:
+                if rows is not None and not in_place:
                     lines += [f"        ct = np.empty(({sb}, {_d(Nt)}), dtype={_COMPUTE[r.dtype]})",
                               "        Cf = ct.reshape(-1)"]
                 lines += [f"        for s0 in range(lo, hi, {sb}):",
@@ -874,10 +880,10 @@ class _KernelWriter:
                 if pack_rows:
                     lines += self._pack_rows(gm.a_node, m_axes, k, F, K)
                 a_blk = "at[0:s1 - s0]" if pack_rows else f"{a_at.format(bi='0')}[s0:s1]"
-                c_blk = "ct[0:s1 - s0]" if rows is not None else "C[0][s0:s1]"
+                c_blk = "ct[0:s1 - s0]" if rows is not None and not in_place else "C[0][s0:s1]"
                 lines.append(f"            np.dot({a_blk}, {b_at.format(bi='0')}, {c_blk})")
                 if rows is not None:
-                    return lines + self._epilogue_block(gi, F, b_axes, m_axes, n_axes, Nt, rows)
+                    return lines + self._epilogue_block(gi, F, b_axes, m_axes, n_axes, Nt, rows, in_place)
         elif columns:
             lines += [f"    nc = max(1, min({THREADS_ARG}, {_d(Nt)} // {GEMM_MIN_COLUMNS}))",
                       "    for c in prange(nc):",
@@ -895,7 +901,9 @@ class _KernelWriter:
         # store each element, through the epilogue when the kernel has one: the GEMM's value at
         # an index is C's element there (value() asks self.gemm_value)
         self.gemm_value = (gi, F, b_axes, m_axes, n_axes, "C[{b}, {m}, {n}]")
-        if gemm_writes_rows(self.g, gi):  # C's flat order is the GEMM node's: read it by flat index
+        if in_place:
+            self.gemm_flat = "out"
+        elif gemm_writes_rows(self.g, gi):  # C's flat order is the GEMM node's: read it by flat index
             lines.append("    Cf = C.reshape(-1)")
             self.gemm_flat = "Cf"
         loops, idx, depth = self.loops(out.shape, parallel=self.k.parallel and gi != self.k.output)
@@ -904,13 +912,14 @@ class _KernelWriter:
                                 f"{self.store(out.dtype, self.value(self.k.output, tuple(idx)))}")
         return lines
 
-    def _epilogue_block(self, gi, F, b_axes, m_axes, n_axes, Nt, rows) -> list[str]:
-        """The epilogue over C's rows s0..s1, which BLAS just wrote into the block `ct`."""
+    def _epilogue_block(self, gi, F, b_axes, m_axes, n_axes, Nt, rows, in_place: bool) -> list[str]:
+        """The epilogue over C's rows s0..s1, which BLAS just wrote into the block `ct`, or in
+        place into the output's own rows."""
         out = self.g.nodes[self.k.output]
         lines = ["            for m in range(s0, s1):"]
         self.gemm_value = (gi, F, b_axes, m_axes, n_axes, None)
-        self.gemm_flat = "Cf"
-        self.gemm_base = f" - s0*{_d(Nt)}"  # the block's first row is ct's row 0
+        self.gemm_flat = "out" if in_place else "Cf"
+        self.gemm_base = "" if in_place else f" - s0*{_d(Nt)}"  # the block's first row is ct's row 0
         pad = " " * 16
         lead, idx = rows
         for j, e in zip(lead, self.unravel("m", tuple(out.shape[j] for j in lead))):

@@ -92,10 +92,11 @@ def test_gemm_through_views_that_do_not_compose(local_pipeline):
 
 def test_parallel_gemm_splits_rows_and_matches(local_pipeline):
     """A parallel GEMM splits M into blocks of rows, one per thread; its epilogue runs on each
-    block as soon as BLAS wrote it (while it is in cache, no whole C is allocated), except when
-    the epilogue reads C out of its row order (here a transpose), which waits for all of C.
-    600 rows on two threads: two blocks of 300, each in sub-blocks of 64 rows and a last of 44
-    (B is small: C's blocks are kept small, but never under GEMM_MIN_ROWS rows)."""
+    block as soon as BLAS wrote it (while it is in cache), in place in the output's rows (no C is
+    allocated), except when the epilogue reads C out of its row order (here a transpose), which
+    waits for all of C in a buffer of its own. 600 rows on two threads: two blocks of 300, each in
+    sub-blocks of 64 rows and a last of 44 (B is small: C's blocks are kept small, but never
+    under GEMM_MIN_ROWS rows)."""
     x, w, b = torch.randn(600, 96), torch.randn(96, 80), torch.randn(80)
     fns = {"rows": lambda x: torch.relu(x @ w + b),
            "transposed": lambda x: (x @ w).t() * 2 + b[:, None] * 0 + 1}
@@ -106,7 +107,11 @@ def test_parallel_gemm_splits_rows_and_matches(local_pipeline):
         bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
         src = [k.source for k in bundle.kernels if k.kind == "gemm"][0]
         assert "prange" in src
-        assert ("ct = np.empty((64, 80)" in src) == (name == "rows"), (name, src)
+        if name == "rows":
+            assert "C = out[0:48000]" in src and "for s0 in range(lo, hi, 64)" in src, src
+            assert "np.empty" not in src, src
+        else:
+            assert "C = np.empty((1, 600, 80)" in src, src
         assert torch.allclose(compiled(x), fn(x), rtol=1e-4, atol=1e-4), name
 
 
@@ -135,9 +140,9 @@ def _compile_for(pipeline, fn, args, threads: int, vector_rates: dict[int, float
 def test_searched_gemm_tile_blocks_match(local_pipeline):
     """The search's tile of rows per BLAS call reaches the GEMM: 1500 rows on a 2-thread target
     (750 per thread) and 1024 columns take 512-row tiles (a block of C stays in cache for the
-    bias and ReLU after it), so each thread computes a block of 512 rows and one of 238. With A
-    transposed (a block of its rows is no matrix BLAS takes) the tile's rows of A are packed
-    first. Both match torch."""
+    bias and ReLU after it, in place in the output), so each thread computes a block of 512 rows
+    and one of 238. With A transposed (a block of its rows is no matrix BLAS takes) the tile's
+    rows of A are packed first. Both match torch."""
     w, bias = torch.randn(64, 1024), torch.randn(1024)
     for name, fn, x in (("rows", lambda x: torch.relu(x @ w + bias), torch.randn(1500, 64)),
                         ("transposed", lambda x: torch.relu(x.t() @ w + bias), torch.randn(64, 1500))):
@@ -146,7 +151,8 @@ def test_searched_gemm_tile_blocks_match(local_pipeline):
         assert gemm.tile == 512 and gemm.parallel, (name, gemm)
         bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
         (src,) = [k.source for k in bundle.kernels if k.kind == "gemm"]
-        assert "ct = np.empty((512, 1024)" in src and "for s0 in range(lo, hi, 512)" in src, src
+        assert "C = out[0:1536000]" in src and "for s0 in range(lo, hi, 512)" in src, src
+        assert "np.dot(" in src and "C[0][s0:s1])" in src, src  # BLAS writes the output's rows
         assert ("at = np.empty((512, 64)" in src) == (name == "transposed"), src
         assert torch.allclose(compiled(x), fn(x), rtol=1e-4, atol=1e-4), name
 
