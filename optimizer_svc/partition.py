@@ -24,7 +24,7 @@ from typing import Optional
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph, parse_schedule
 from kiln.ir.kernel import (Kernel, KernelGraph, broadcasts, compose_chain, flat_reads, gemm_axes, gemm_dims,
-                             gemm_writes_rows, kernel_gemm, view_root)
+                             gemm_writes_rows, kernel_gemm, row_broadcast_axis, view_root)
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import contiguous_strides, evaluate_dim, numel
 from kiln.ir.view import ViewSpec
@@ -273,21 +273,6 @@ def _fuse_epilogues(g: Graph, users, outputs, gemms, materialize, root_of) -> No
         materialize[i] = False
 
 
-def row_broadcast_axis(v: ViewSpec, src_shape) -> Optional[int]:
-    """The axis a when view v reads a [.., 1, ..] tensor back along a (stride 0 there, its own
-    contiguous strides elsewhere but on dims of size 1, no offset or mask), else None."""
-    if v.mask is not None or v.offset != 0 or len(v.shape) != len(src_shape):
-        return None
-    axes = [k for k, (d, sd) in enumerate(zip(v.shape, src_shape)) if d != sd]
-    if len(axes) != 1 or src_shape[axes[0]] != 1:
-        return None
-    want = list(contiguous_strides(src_shape))
-    want[axes[0]] = 0
-    # a dim of size 1 is never stepped along, whatever its stride
-    same = all(d == 1 or st == w for d, st, w in zip(v.shape, v.strides, want))
-    return axes[0] if same else None
-
-
 def _fuse_rows(g: Graph, users, outputs, gemms, materialize) -> dict[int, int]:
     """Row kernels: softmax, layer norm and RMS norm as one kernel each. An elementwise kernel
     over shape S that reads, back along one axis a, a reduction over a (directly or through
@@ -338,9 +323,22 @@ def _member_reads(g: Graph, members: set[int], materialize) -> set[int]:
 
 
 def _aligned(g: Graph, root: int, members: set[int]) -> set[int]:
-    """Members evaluated at the kernel's own index: the root, and what aligned members read
-    directly (a reduction reads its input along the row). A member reached through a view may
-    be evaluated at another row, so no row value may be read from it."""
+    """Members evaluated only at the kernel's own index: the root, and what aligned members read
+    directly (a reduction reads its input along the row), less every member that some member
+    also reads through a view other than a row value's broadcast, and all it depends on. Such a
+    member is evaluated at other rows too (a softmax's result added to its own transpose), so
+    no row value may be read from it: the kernel holds only its own row's."""
+    shifted, stack = set(), []
+    for m in members:
+        n = g.nodes[m]
+        if n.op is Op.VIEW and n.inputs[0] in members and \
+                row_broadcast_axis(n.view, g.nodes[n.inputs[0]].shape) is None:
+            stack.append(n.inputs[0])
+    while stack:
+        m = stack.pop()
+        if m not in shifted:
+            shifted.add(m)
+            stack += [x for x in g.nodes[m].inputs if x in members]
     aligned, stack = {root}, [root]
     while stack:
         m = stack.pop()
@@ -354,7 +352,7 @@ def _aligned(g: Graph, root: int, members: set[int]) -> set[int]:
                         row_broadcast_axis(g.nodes[x].view, g.nodes[r].shape) is not None:
                     aligned.add(r)
                     stack.append(r)
-    return aligned
+    return aligned - shifted
 
 
 def _absorbable(g: Graph, users, outputs, gemms, materialize, root: int, members, q: int, S,

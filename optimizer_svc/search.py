@@ -22,7 +22,7 @@ from kiln.errors import ResourceExhausted
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import ATTENTION_TILES, DEFAULT_GEMM_TILE, GEMM_TILES, Graph
-from kiln.ir.kernel import flat_preserving
+from kiln.ir.kernel import flat_preserving, row_broadcast_axis
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import evaluate_dim, numel
 from kiln.ir import view as view_specs
@@ -30,7 +30,6 @@ from kiln.ir.view import ViewSpec, compose
 from kiln.limits import memory_limit, resident_bytes
 from kiln.metrics import EGRAPH_ECLASSES, EGRAPH_ENODES
 from kiln.telemetry import span
-from optimizer_svc.partition import row_broadcast_axis
 from optimizer_svc.rules.algebra import algebra
 from optimizer_svc.rules.attention import attention
 from optimizer_svc.rules.matmul import GemmMember, bias_member, gemm_merge, is_gemm_layout, matmul, merged_bias_tables

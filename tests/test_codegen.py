@@ -376,6 +376,21 @@ def test_row_value_read_through_a_transpose_is_not_fused_with_the_wrong_row(loca
     np.testing.assert_allclose(out, M()(x, y).numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_softmax_added_to_its_own_transpose_is_not_one_row_kernel(local_pipeline):
+    """g + g.t() after a softmax reads the probabilities of other rows: a row kernel holds only
+    its own row's sum, so the softmax may not be taken into that kernel as a row kernel (it
+    was, and the result was 0.11 off torch's)."""
+    w = torch.randn(32, 16)
+
+    def fn(x):
+        g = torch.softmax(torch.tanh(x @ w) * 2.0, -1)
+        return g + g.t()
+
+    x = torch.randn(16, 32)
+    compiled = kiln.compile(Fn(fn), (x,), pipeline=local_pipeline, candidates=1)
+    assert torch.allclose(compiled(x), fn(x), rtol=1e-5, atol=1e-6), (compiled(x) - fn(x)).abs().max()
+
+
 def _attention(q, k, v, mask, causal, gqa):
     if gqa:  # grouped-query attention: K and V shared by pairs of heads
         k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)

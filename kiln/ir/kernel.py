@@ -188,6 +188,21 @@ def flat_preserving(spec: Optional[ViewSpec], src_shape) -> bool:
     return all(d == 1 or st == w for d, st, w in zip(spec.shape, spec.strides, want))
 
 
+def row_broadcast_axis(v: ViewSpec, src_shape) -> Optional[int]:
+    """The axis a when view v reads a [.., 1, ..] tensor back along a (stride 0 there, its own
+    contiguous strides elsewhere but on dims of size 1, no offset or mask), else None."""
+    if v.mask is not None or v.offset != 0 or len(v.shape) != len(src_shape):
+        return None
+    axes = [k for k, (d, sd) in enumerate(zip(v.shape, src_shape)) if d != sd]
+    if len(axes) != 1 or src_shape[axes[0]] != 1:
+        return None
+    want = list(contiguous_strides(src_shape))
+    want[axes[0]] = 0
+    # a dim of size 1 is never stepped along, whatever its stride
+    same = all(d == 1 or st == w for d, st, w in zip(v.shape, v.strides, want))
+    return axes[0] if same else None
+
+
 def flat_reads(g: Graph, nodes: set[int], members: set[int]) -> bool:
     """Every read of one of `nodes` from `members` sees its elements at their own flat positions
     (a broadcast constant is the same everywhere)."""
