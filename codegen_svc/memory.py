@@ -9,9 +9,9 @@ that an elementwise or row kernel may write its output over an input that dies i
 reads only where it writes (in_place). For tiny Llama at seq 128 with fused attention, 442,368
 bytes where slots took 546,816; without it, 507,904 where packing alone took 676,352.
 
-Slots (some size symbolic): each buffer takes a free slot of its dtype (free once the previous occupant's last
-reader ran), the smallest that holds it, else the largest free one grown to fit (slots are
-allocated once per run at their final size), else a new one.
+Slots (some size symbolic): each buffer takes a free slot of its dtype (free once the previous
+occupant's last reader ran), the smallest that holds it, else the largest free one grown to fit
+(slots are allocated once per run at their final size), else a new one.
 
 Output aliases: a kernel that only copies an intermediate into an output through a reshape
 (the flat order kept, as a model's last `view` gives) is not run; the intermediate is written
@@ -159,7 +159,8 @@ def _reads_in_place(g, k, j: int) -> bool:
     member reached through a view that moves elements (neither a reshape nor, in a row kernel,
     a row value broadcast back along the row) is evaluated elsewhere, and so is everything it
     reads; none of those may read j, and no member may read j through such a view. Only
-    pointwise ops and a row kernel's reductions along its row may read j."""
+    pointwise ops and a row kernel's reductions along its row read their inputs where they are
+    evaluated (a gather reads its table anywhere)."""
     members = set(k.nodes)
     status = {k.output: True}  # member -> evaluated only at the output's own position
     stack = [k.output]
@@ -168,16 +169,16 @@ def _reads_in_place(g, k, j: int) -> bool:
         mn = g.nodes[m]
         if mn.op is Op.VIEW:
             continue
+        pointwise = mn.op in GroupOp.Elementwise or (k.kind == "row" and mn.op in GroupOp.Reduce
+                                                     and mn.axis == k.axis)
         for x in mn.inputs:
             root, chain = view_root(g, x)
             spec = compose_chain(chain) if chain else None
-            here = status[m] and (not chain or flat_preserving(spec, g.nodes[root].shape) or
-                                  (k.kind == "row" and spec is not None and
-                                   row_broadcast_axis(spec, g.nodes[root].shape) == k.axis))
+            here = status[m] and pointwise and (not chain or flat_preserving(spec, g.nodes[root].shape) or
+                                                (k.kind == "row" and spec is not None and
+                                                 row_broadcast_axis(spec, g.nodes[root].shape) == k.axis))
             if root == j:
-                ok_reader = mn.op in GroupOp.Elementwise or (k.kind == "row" and mn.op in GroupOp.Reduce
-                                                              and mn.axis == k.axis)
-                if not (here and ok_reader):
+                if not here:
                     return False
             elif root in members and status.get(root, True) and not (root in status and here):
                 status[root] = here
