@@ -11,6 +11,7 @@ in the store under an action-cache key, so every replica on the same kind of nod
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import statistics
@@ -22,10 +23,13 @@ import numpy as np
 from kiln import cache
 from kiln.digest import Digest
 from kiln.errors import FailedPrecondition
+from kiln.limits import CONTENDED, CpuLoad
 from kiln.store import BlobStore
 from kiln.telemetry import span
 from kiln.vectorwidth import host_widths, pipeline as vector_pipeline
 from kiln.v1 import services_pb2
+
+log = logging.getLogger(__name__)
 
 CALIBRATE_VERSION = "calibrate-4"  # 4: vector_rates
 # (class, M, N, K): decode-step GEMV, small tiles, a BERT-base-sized projection, a square block
@@ -219,9 +223,16 @@ def calibrate(store: BlobStore, target: str = "cpu", force: bool = False
             cache.record(store, key, {"profile": d})
             return d, p, True
     with span("executor.calibrate", **{"kiln.target": target, "kiln.fingerprint": fp}) as s:
+        load = CpuLoad()
         p = measure(target)
+        others = load.others_busy()
         d = store.put_message(p)
         s.set_attribute("kiln.profile", str(d))
+        s.set_attribute("kiln.others_busy", others)
+    if others > CONTENDED:  # rates measured beside another process's work: used now, measured again next time
+        log.warning("other processes took %.0f%% of the CPUs while the %s target was calibrated; the profile "
+                    "is used but not cached", 100 * others, target)
+        return d, p, False
     _measured[fp] = p
     cache.record(store, key, {"profile": d})
     return d, p, False

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from kiln.ir.evaluate import evaluate
 from kiln.ir.serialize import dim_from_pb, dtype_from_pb, graph_from_pb, tensor_spec_from_pb
 from kiln.ir.kernel import kernel_named_by_content
 from kiln.ir.shape import Dim, Sym, evaluate_dim, format_shape, numel
-from kiln.limits import memory_limit
+from kiln.limits import CpuLoad, memory_limit
 from kiln.store import BlobStore
 from kiln.telemetry import child_span, span, start_span, untraced
 from kiln.v1 import ir_pb2
@@ -428,44 +427,6 @@ class Executor:
                 cs.set_attribute("kiln.others_busy", others)
                 cs.end()
         return [(b, statistics.median(t), min(t), rel, others) for b, t, rel in zip(bundles, times, relative)]
-
-
-class CpuLoad:
-    """How busy the rest of the machine was since this was made: all CPUs' busy time
-    (/proc/stat: user, nice, system, irq, softirq and steal, the last being a VM's neighbours)
-    less this process's own CPU time (getrusage), over the wall time the CPUs had. Paired
-    ratios absorb a machine that is slower for a while as a whole; they do not absorb another
-    process that takes one of two cores from some candidates' runs more than from others'.
-    A choice timed while that happened is not kept (Pipeline.choose)."""
-
-    def __init__(self):
-        self._start = (time.monotonic(), _busy_seconds(), _own_seconds())  # not the timings' clock
-
-    def others_busy(self) -> float:
-        """Others' share of all CPUs' time since construction, 0..1; 0 where /proc/stat is missing.
-        /proc/stat counts whole clock ticks per CPU, so two ticks per CPU are taken off first:
-        over a few milliseconds the count says nothing."""
-        wall0, busy0, own0 = self._start
-        wall, busy, cpus = time.monotonic() - wall0, _busy_seconds(), os.cpu_count() or 1
-        if busy is None or busy0 is None or wall <= 0:
-            return 0.0
-        others = busy - busy0 - (_own_seconds() - own0) - 2 * cpus / os.sysconf("SC_CLK_TCK")
-        return min(1.0, max(0.0, others / (wall * cpus)))
-
-
-def _busy_seconds() -> Optional[float]:
-    """Seconds all CPUs have spent busy since boot (/proc/stat's first line), None off Linux."""
-    try:
-        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, idle, iowait, irq, softirq, steal = ticks
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def paired_ratios(times: Sequence[Sequence[float]]) -> list[float]:

@@ -1,8 +1,18 @@
-"""Memory limits read from the environment, and this process's resident memory."""
+"""Memory limits read from the environment, this process's resident memory, and how much of
+the CPUs other processes take."""
 
 from __future__ import annotations
 
 import os
+import resource
+import time
+from pathlib import Path
+from typing import Optional
+
+# other processes' share of the CPUs above which a timing (a compile's choice among candidates,
+# a machine's calibration) is used but not cached: a test suite beside a BERT compile made it
+# keep the program without attention, 7% slower on a quiet machine
+CONTENDED = 0.25
 
 
 def machine_bytes() -> int:
@@ -21,3 +31,42 @@ def resident_bytes() -> int:
     """This process's resident memory now (egglog's e-graph lives in Rust, out of Python's sight)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class CpuLoad:
+    """How busy the rest of the machine was since this was made: all CPUs' busy time
+    (/proc/stat: user, nice, system, irq, softirq and steal, the last being a VM's neighbours)
+    less this process's own CPU time (getrusage), over the wall time the CPUs had. Paired
+    ratios absorb a machine that is slower for a while as a whole; they do not absorb another
+    process that takes one of two cores from some candidates' runs more than from others'.
+    A choice timed, or a machine measured, while that happened is not cached
+    (Pipeline.choose, executor_svc.calibrate)."""
+
+    def __init__(self):
+        self._start = (time.monotonic(), _busy_seconds(), _own_seconds())  # not the timings' clock
+
+    def others_busy(self) -> float:
+        """Others' share of all CPUs' time since construction, 0..1; 0 where /proc/stat is missing.
+        /proc/stat counts whole clock ticks per CPU, so two ticks per CPU are taken off first:
+        over a few milliseconds the count says nothing."""
+        wall0, busy0, own0 = self._start
+        wall, busy, cpus = time.monotonic() - wall0, _busy_seconds(), os.cpu_count() or 1
+        if busy is None or busy0 is None or wall <= 0:
+            return 0.0
+        others = busy - busy0 - (_own_seconds() - own0) - 2 * cpus / os.sysconf("SC_CLK_TCK")
+        return min(1.0, max(0.0, others / (wall * cpus)))
+
+
+def _busy_seconds() -> Optional[float]:
+    """Seconds all CPUs have spent busy since boot (/proc/stat's first line), None off Linux."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = ticks
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime

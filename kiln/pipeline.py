@@ -19,6 +19,7 @@ import numpy as np
 from kiln import cache, errors
 from kiln.client import channel as _channel, call as _call, kiln_error as _kiln_error, retrying as _retrying
 from kiln.digest import Digest
+from kiln.limits import CONTENDED
 from kiln.store import BlobStore, open_store
 from kiln.telemetry import child_span, setup_tracing, span
 from kiln.tensors import array_from_pb, array_to_pb, numpy_to_torch, torch_to_numpy
@@ -45,9 +46,6 @@ CHOOSE_REPEATS = 20
 # cuda launch shapes (threads per block, GEMM tile) timed besides the default (128, 16)
 CUDA_LAUNCH_SHAPES = ((256, 16), (64, 8), (128, 32))
 CHOOSE_VERSION = "choose-4"  # 4: chosen by paired ratios, recorded in the report
-# other processes' share of the CPUs above which a timed choice is not cached: a test suite
-# beside a BERT compile made it keep the program without attention, 7% slower on a quiet machine
-CONTENDED = 0.25
 
 
 @dataclass
@@ -245,7 +243,7 @@ class Pipeline:
                 symbols: Optional[dict] = None) -> list[tuple[Digest, float, float, float, float]]:
         """Time candidate bundles on the executor: (bundle, median s, min s, relative, others busy)
         each, relative the median over interleaved rounds of its time over the round's fastest,
-        others busy the share of the machine other processes took meanwhile (executor.CpuLoad)."""
+        others busy the share of the machine other processes took meanwhile (kiln.limits.CpuLoad)."""
         if "executor" in self.addresses:
             req = services_pb2.ProfileRequest(bundles=[b.to_pb() for b in bundles], manifest=manifest.to_pb(),
                                               repeats=repeats, symbols=symbols or {})

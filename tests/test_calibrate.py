@@ -31,6 +31,32 @@ def test_calibrate_measures_once_per_fingerprint(file_store, tmp_path):
     assert cached3 and d3 == d and p3 == p
 
 
+def test_a_machine_measured_while_others_took_the_cpus_is_not_cached(tmp_path, monkeypatch):
+    """Rates measured while other processes took over CONTENDED of the CPUs describe a share of
+    the machine, not the machine: the profile is used, but the next calibration measures again.
+    At or below it, the profile is cached."""
+    from executor_svc import calibrate as cal
+    from kiln.limits import CONTENDED, CpuLoad
+    from kiln.store import open_store
+
+    calls = []
+
+    def measure(target):
+        calls.append(target)
+        return services_pb2.TargetProfile(target=target, fingerprint=cal.fingerprint(target), threads=len(calls))
+
+    monkeypatch.setattr(cal, "measure", measure)
+    monkeypatch.setattr(cal, "_measured", {})
+    store = open_store(f"file://{tmp_path / 'busy'}")
+    for busy, measured, cached in ((CONTENDED + 0.3, 1, False), (CONTENDED + 0.3, 2, False), (0.0, 3, False),
+                                   (0.0, 3, True)):
+        monkeypatch.setattr(CpuLoad, "others_busy", lambda self, busy=busy: busy)
+        d, p, was_cached = cal.calibrate(store)
+        assert (len(calls), was_cached, p.threads) == (measured, cached, 3 if cached else measured)
+        assert (cal.known_profile(store) is None) == (busy > CONTENDED)
+    assert cal.known_profile(store) == (d, p)
+
+
 def test_known_profile_never_measures(tmp_path, monkeypatch):
     from executor_svc import calibrate as cal
     from kiln.store import open_store

@@ -8,7 +8,7 @@ import torch
 import kiln
 from kiln.digest import Digest
 from kiln.examples import mlp_example
-from kiln.pipeline import CONTENDED
+from kiln.limits import CONTENDED
 
 
 def test_candidates_are_timed_and_the_fastest_is_kept(pipeline):
@@ -78,7 +78,7 @@ def test_cpu_load_sees_other_processes():
     import sys
     import time
 
-    from executor_svc.executor import CpuLoad
+    from kiln.limits import CpuLoad
 
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
     try:
