@@ -27,7 +27,6 @@ from kiln.ir.kernel import (Kernel, KernelGraph, broadcasts, compose_chain, flat
                              gemm_writes_rows, kernel_gemm, row_broadcast_axis, view_root)
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import contiguous_strides, evaluate_dim, numel
-from kiln.ir.view import ViewSpec
 
 NEVER = 1 << 62
 
