@@ -91,23 +91,36 @@ def plan_memory(kg: KernelGraph, arena: bool = True) -> MemoryPlan:
         if t not in alias_of:
             for j in k.reads:
                 last_use[j] = t
-    slots: list[Slot] = []
-    free_at: list[int] = []   # kernel index after which the slot is free
-    node_slot: dict[int, int] = {}
-    naive = 0
-    out_bytes = 0
     env = {name: hi for name, _, hi in g.symbols}
+    out_bytes = 0
+    lives: list[tuple[int, int, int]] = []  # intermediates: (node, kernel that writes it, last kernel that reads it)
     for t, k in enumerate(kg.kernels):
         if t in alias_of:
             continue
-        o = k.output
+        n = g.nodes[k.output]
+        if k.output in outputs or k.output in aliases:
+            out_bytes += _bytes(numel(n.shape), n.dtype, env)
+        else:
+            lives.append((k.output, t, last_use.get(k.output, t)))
+    naive = sum(_bytes(numel(g.nodes[o].shape), g.nodes[o].dtype, env) for o, _, _ in lives) + out_bytes
+    if arena and all(isinstance(numel(g.nodes[o].shape), int) for o, _, _ in lives):
+        over = in_place(kg, {o for o, _, _ in lives}, last_use)
+        slots, node_slot, top = _pack(g, lives, over)
+        return MemoryPlan(tuple(slots), node_slot, top + out_bytes, naive, aliases, frozenset(alias_of), top)
+    slots, node_slot = _share_slots(g, lives, env)
+    peak = sum(_bytes(s.elements, s.dtype, env) for s in slots) + out_bytes
+    return MemoryPlan(tuple(slots), node_slot, peak, naive, aliases, frozenset(alias_of))
+
+
+def _share_slots(g, lives: list[tuple[int, int, int]], env) -> tuple[list[Slot], dict[int, int]]:
+    """Slots for buffers (node, first kernel, last kernel) in kernel order, each taking a free
+    slot of its dtype (module docstring)."""
+    slots: list[Slot] = []
+    free_at: list[int] = []   # kernel index after which the slot is free
+    node_slot: dict[int, int] = {}
+    for o, t, end in lives:
         n = g.nodes[o]
         elems = numel(n.shape)
-        if o in outputs or o in aliases:
-            out_bytes += _bytes(elems, n.dtype, env)
-            continue
-        naive += _bytes(elems, n.dtype, env)
-        end = last_use.get(o, t)
         free = [s for s, slot in enumerate(slots) if slot.dtype is n.dtype and free_at[s] < t]
         fits = [s for s in free if _fits(elems, slots[s].elements)]
         grows = [s for s in free if isinstance(elems, int) and isinstance(slots[s].elements, int)]
@@ -122,14 +135,7 @@ def plan_memory(kg: KernelGraph, arena: bool = True) -> MemoryPlan:
             choice = len(slots) - 1
         free_at[choice] = end
         node_slot[o] = choice
-    lives = [(o, t, last_use.get(o, t)) for t, k in enumerate(kg.kernels) for o in [k.output] if o in node_slot]
-    if arena and all(isinstance(numel(g.nodes[o].shape), int) for o, _, _ in lives):
-        over = in_place(kg, set(node_slot), last_use)
-        slots, node_slot, top = _pack(g, lives, over)
-        return MemoryPlan(tuple(slots), node_slot, top + out_bytes, naive + out_bytes, aliases, frozenset(alias_of),
-                          top)
-    peak = sum(_bytes(s.elements, s.dtype, env) for s in slots) + out_bytes
-    return MemoryPlan(tuple(slots), node_slot, peak, naive + out_bytes, aliases, frozenset(alias_of))
+    return slots, node_slot
 
 
 def in_place(kg: KernelGraph, buffers: set[int], last_use: dict[int, int]) -> dict[int, int]:
@@ -201,18 +207,18 @@ def _pack(g, lives: list[tuple[int, int, int]], over: dict[int, int]) -> tuple[l
     placed: list[tuple[int, int, int, int]] = []  # offset, bytes, first, last
     slots: list[Slot] = []
     top = 0
-    order = sorted(span, key=lambda o: (-numel(g.nodes[o].shape) * g.nodes[o].dtype.itemsize, span[o][0]))
+    size = {o: numel(g.nodes[o].shape) * g.nodes[o].dtype.itemsize for o in span}
+    order = sorted(span, key=lambda o: (-size[o], span[o][0]))
     for o in order:
         (first, last), n = span[o], g.nodes[o]
-        size = numel(n.shape) * n.dtype.itemsize
         offset = 0
         for lo, hi in sorted((p, p + b) for p, b, f, e in placed if f <= last and first <= e):
-            if offset + size <= lo:
+            if offset + size[o] <= lo:
                 break
             offset = max(offset, -(-hi // ALIGN) * ALIGN)
-        placed.append((offset, size, first, last))
+        placed.append((offset, size[o], first, last))
         slots.append(Slot(len(slots), n.dtype, numel(n.shape), offset))
-        top = max(top, offset + size)
+        top = max(top, offset + size[o])
     index = {o: i for i, o in enumerate(order)}
     return slots, {o: index[group[o]] for o, _, _ in lives}, -(-top // ALIGN) * ALIGN
 

@@ -170,8 +170,8 @@ def bench(name: str, repeats: int = 20, warmup: int = 5, inductor: bool = True, 
                 times[key].append(time.perf_counter() - t)
         samples: dict[str, list[float]] = {key: [] for key in runners if key != "sgemm"}
         for _ in range(PEAK_SAMPLES):
-            for key, got_peak in samples.items():
-                got_peak.append(_peak_mb(runners[key]))
+            for key, peak_mb in samples.items():
+                peak_mb.append(_peak_mb(runners[key]))
         peaks = {key: statistics.median(v) for key, v in samples.items()}
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     gflop = sum(2.0 * b * m * n * k for b, m, n, k in shapes) / 1e9
