@@ -22,7 +22,7 @@ kiln/v1/.generated: $(PROTOS) $(VENV)/.installed
 proto: kiln/v1/.generated
 
 run: setup
-	$(PY) -m kiln.cli demo
+	$(PY) -m kiln demo
 
 # the trace timeline test renders a page in Debian's headless Chromium
 CHROMIUM := /usr/bin/chromium

@@ -21,7 +21,7 @@ import time
 import torch
 
 import kiln
-from kiln.examples import Encoder
+from kiln.apps.examples import Encoder
 
 
 def models(small: bool):

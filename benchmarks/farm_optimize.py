@@ -31,8 +31,8 @@ def llama_export(layers: int):
 
 def one_run(ep, replicas: int) -> tuple[float, object]:
     import kiln
-    from kiln import farm
-    from kiln.store import S3Store
+    from kiln.apps import farm
+    from kiln.cas.store import S3Store
 
     d = tempfile.mkdtemp(prefix="kiln-bench-farm-")
     env = dict(os.environ)

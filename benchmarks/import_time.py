@@ -15,7 +15,7 @@ import torch
 def models():
     from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from kiln.examples import encoder_example, resnet_example
+    from kiln.apps.examples import encoder_example, resnet_example
     from kiln.hf import ModelOutputTensor
 
     ids = torch.randint(0, 1000, (1, 32))

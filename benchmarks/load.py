@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 
 import kiln
-from kiln.examples import Encoder
-from kiln.loadtest import concurrent_compiles, distinct_mlps, run_load
+from kiln.apps.examples import Encoder
+from kiln.apps.loadtest import concurrent_compiles, distinct_mlps, run_load
 
 STAGES = ("importer", "optimizer", "codegen", "executor")
 
 
 def start_server(store_dir: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", "all", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "all", "--port", "0"],
                             env={**os.environ, "KILN_STORE": f"file://{store_dir}"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     line = proc.stdout.readline()

@@ -38,7 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     from executor_svc.calibrate import measure
     from kiln.ir.serialize import graph_to_pb
-    from kiln.store import FileStore
+    from kiln.cas.store import FileStore
     from optimizer_svc.optimizer import OptimizeOptions, optimize
 
     profile = None if args.no_profile else measure("cpu")

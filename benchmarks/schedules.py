@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=50)
     args = ap.parse_args()
     import kiln
-    from kiln.digest import Digest
+    from kiln.cas.digest import Digest
     from kiln.ir.kernel import kernel_graph_from_pb
     from kiln.v1 import ir_pb2
 

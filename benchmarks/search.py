@@ -21,7 +21,7 @@ import torch
 def models(layers: int):
     from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from kiln.examples import encoder_example, mlp_example
+    from kiln.apps.examples import encoder_example, mlp_example
     from kiln.hf import ModelOutputTensor
 
     torch.manual_seed(0)

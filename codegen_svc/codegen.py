@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kiln import cache
-from kiln.digest import Digest
-from kiln.errors import FailedPrecondition, InvalidArgument
+from kiln.cas import cache
+from kiln.cas.digest import Digest
+from kiln.core.errors import FailedPrecondition, InvalidArgument
 from kiln.ir.kernel import kernel_graph_from_pb
 from kiln.ir.serialize import dim_to_pb, dtype_to_pb, graph_to_pb, tensor_spec_to_pb
-from kiln.store import BlobStore
-from kiln.telemetry import current_span, span
+from kiln.cas.store import BlobStore
+from kiln.core.telemetry import current_span, span
 from kiln.v1 import ir_pb2
 from codegen_svc.emit_cpu import emit_cpu
 from codegen_svc.emit_cuda import BLOCK as CUDA_BLOCK, TILE as CUDA_TILE, check_launch, emit_cuda

@@ -20,14 +20,14 @@ from typing import Optional
 
 import numpy as np
 
-from kiln.digest import digest_bytes
-from kiln.errors import FailedPrecondition
+from kiln.cas.digest import digest_bytes
+from kiln.core.errors import FailedPrecondition
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import DEFAULT_ATTENTION_TILE, DEFAULT_GEMM_TILE, Graph, TensorSpec
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import SYMBOL_PREFIX, Dim, contiguous_strides, evaluate_dim, numel, render_dim
 from kiln.ir.view import ViewSpec
-from kiln.telemetry import span
+from kiln.core.telemetry import span
 from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, compose_chain, flat_reads, gemm_axes,
                              gemm_dims, gemm_writes_rows, kernel_gemm, name_kernel, view_root)
 from codegen_svc.memory import ALIGN, MemoryPlan, plan_memory
@@ -58,7 +58,7 @@ import numpy as np
 from numba import njit, prange
 '''
 # a kernel scheduled with a vector width compiles through a pipeline that asks LLVM for it
-VECTOR_IMPORT = "from kiln.vectorwidth import pipeline as _vector_pipeline\n"
+VECTOR_IMPORT = "from kiln.runtime.vectorwidth import pipeline as _vector_pipeline\n"
 
 # 16-bit float words <-> f32, round to nearest even, as torch and IEEE 754 do; NaN stays NaN
 HALF_HELPERS = '''

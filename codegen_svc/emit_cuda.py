@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from kiln.errors import FailedPrecondition, InvalidArgument
+from kiln.core.errors import FailedPrecondition, InvalidArgument
 from kiln.ir.kernel import (KERNEL_PLACEHOLDER, Kernel, KernelGraph, flat_preserving, gemm_axes, gemm_dims,
                              kernel_gemm)
 from kiln.ir.ops import GroupOp, Op

@@ -1,8 +1,8 @@
 """Codegen gRPC servicer: decode, call codegen.emit, encode."""
 
-from kiln.digest import Digest
-from kiln.service import deadline_of, rpc
-from kiln.telemetry import span
+from kiln.cas.digest import Digest
+from kiln.rpc.server import deadline_of, rpc
+from kiln.core.telemetry import span
 from kiln.v1 import services_pb2, services_pb2_grpc
 from codegen_svc.codegen import emit
 

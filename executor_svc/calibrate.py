@@ -20,13 +20,13 @@ from typing import Optional
 
 import numpy as np
 
-from kiln import cache
-from kiln.digest import Digest
-from kiln.errors import FailedPrecondition
-from kiln.limits import CONTENDED, CpuLoad
-from kiln.store import BlobStore
-from kiln.telemetry import span
-from kiln.vectorwidth import host_widths, pipeline as vector_pipeline
+from kiln.cas import cache
+from kiln.cas.digest import Digest
+from kiln.core.errors import FailedPrecondition
+from kiln.core.limits import CONTENDED, CpuLoad
+from kiln.cas.store import BlobStore
+from kiln.core.telemetry import span
+from kiln.runtime.vectorwidth import host_widths, pipeline as vector_pipeline
 from kiln.v1 import services_pb2
 
 log = logging.getLogger(__name__)

@@ -22,17 +22,17 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from kiln.digest import Digest
-from kiln.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kiln.cas.digest import Digest
+from kiln.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import TensorSpec
 from kiln.ir.evaluate import evaluate
 from kiln.ir.serialize import dim_from_pb, dtype_from_pb, graph_from_pb, tensor_spec_from_pb
 from kiln.ir.kernel import kernel_named_by_content
 from kiln.ir.shape import Dim, Sym, evaluate_dim, format_shape, numel
-from kiln.limits import CpuLoad, memory_limit
-from kiln.store import BlobStore
-from kiln.telemetry import child_span, span, start_span, untraced
+from kiln.core.limits import CpuLoad, memory_limit
+from kiln.cas.store import BlobStore
+from kiln.core.telemetry import child_span, span, start_span, untraced
 from kiln.v1 import ir_pb2
 
 MAX_SESSIONS = 64  # least recently used sessions beyond this are evicted

@@ -24,9 +24,9 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from kiln.errors import InvalidArgument, KilnError, ResourceExhausted
-from kiln.metrics import EXECUTOR_ACTIVE, EXECUTOR_BATCH, EXECUTOR_QUEUE
-from kiln.telemetry import child_span
+from kiln.core.errors import InvalidArgument, KilnError, ResourceExhausted
+from kiln.core.metrics import EXECUTOR_ACTIVE, EXECUTOR_BATCH, EXECUTOR_QUEUE
+from kiln.core.telemetry import child_span
 
 MIN_PAST = 2  # kiln/llm.py: the decode program's cache holds at least two slots
 FINISH_LENGTH, FINISH_EOS, FINISH_STOP = "length", "eos", "stop"

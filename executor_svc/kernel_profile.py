@@ -21,7 +21,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from executor_svc.executor import Session, check_inputs, pool_threads, random_inputs
-from kiln.errors import InvalidArgument
+from kiln.core.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

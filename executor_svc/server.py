@@ -1,9 +1,9 @@
 """Executor gRPC servicer: decode, call the Executor, encode."""
 
-from kiln.digest import Digest
-from kiln.service import rpc, rpc_stream
-from kiln.telemetry import span
-from kiln.tensors import array_from_pb, array_to_pb
+from kiln.cas.digest import Digest
+from kiln.rpc.server import rpc, rpc_stream
+from kiln.core.telemetry import span
+from kiln.rpc.tensors import array_from_pb, array_to_pb
 from kiln.v1 import services_pb2, services_pb2_grpc
 from executor_svc.calibrate import calibrate, known_profile
 from executor_svc.executor import Executor

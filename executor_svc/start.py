@@ -25,8 +25,8 @@ _T0 = time.perf_counter()
 def first_request(store_url: str, bundle: str, manifest: str) -> dict:
     """In this process: load the bundle, run it once on random inputs; times and compile counts."""
     from executor_svc.executor import Executor, random_inputs
-    from kiln.digest import Digest
-    from kiln.store import open_store
+    from kiln.cas.digest import Digest
+    from kiln.cas.store import open_store
 
     imported = time.perf_counter()
     ex = Executor(open_store(store_url))

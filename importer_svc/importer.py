@@ -13,17 +13,17 @@ import torch
 
 from importer_svc.lowerings import KEEP_UNDECOMPOSED, LOWERINGS
 from importer_svc.safe_load import load_program
-from kiln import cache
-from kiln.digest import Digest
-from kiln.errors import FailedPrecondition, InvalidArgument, KilnError, NotFound
+from kiln.cas import cache
+from kiln.cas.digest import Digest
+from kiln.core.errors import FailedPrecondition, InvalidArgument, KilnError, NotFound
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph, prune
 from kiln.ir.serialize import dtype_to_pb, graph_to_pb
 from kiln.ir.shape import format_shape, from_sympy
-from kiln.store import BlobStore
-from kiln.telemetry import span
-from kiln.tensors import torch_to_numpy
+from kiln.cas.store import BlobStore
+from kiln.core.telemetry import span
+from kiln.ir.dtypes import torch_to_numpy
 from kiln.v1 import ir_pb2
 
 STAGE_VERSION = "importer-1-" + cache.code_version("importer_svc", "kiln.ir")

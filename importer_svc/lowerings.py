@@ -17,7 +17,7 @@ from kiln.ir import view as views
 from kiln.ir.builder import GraphBuilder, NodeId
 from kiln.ir.dtypes import DType
 from kiln.ir.ops import Op
-from kiln.errors import FailedPrecondition
+from kiln.core.errors import FailedPrecondition
 from kiln.ir.shape import Sym
 
 aten = torch.ops.aten

@@ -19,7 +19,7 @@ from unittest import mock
 
 import torch
 
-from kiln.errors import InvalidArgument
+from kiln.core.errors import InvalidArgument
 
 _lock = threading.Lock()
 

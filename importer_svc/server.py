@@ -1,8 +1,8 @@
 """Importer gRPC servicer: decode, call importer.import_program, encode."""
 
-from kiln.digest import Digest
-from kiln.service import deadline_of, rpc
-from kiln.telemetry import span
+from kiln.cas.digest import Digest
+from kiln.rpc.server import deadline_of, rpc
+from kiln.core.telemetry import span
 from kiln.v1 import services_pb2, services_pb2_grpc
 from importer_svc.importer import import_program
 

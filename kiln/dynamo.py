@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.errors import FailedPrecondition
+from kiln.core.errors import FailedPrecondition
 
 
 def kiln_backend(gm: torch.fx.GraphModule, example_inputs):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.errors import FailedPrecondition, InvalidArgument
+from kiln.core.errors import FailedPrecondition, InvalidArgument
 
 
 TENSOR_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")

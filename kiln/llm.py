@@ -20,8 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from kiln import errors
-from kiln.digest import Digest
+from kiln.core import errors
+from kiln.cas.digest import Digest
 
 MIN_PAST = 2  # torch.export's symbolic dims start at 2: shorter caches are left-padded (masked)
 

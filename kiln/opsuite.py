@@ -53,7 +53,7 @@ class _Call(torch.nn.Module):
 
 def run_sample(opinfo, sample) -> SampleResult:
     from importer_svc.importer import lower_program
-    from kiln.errors import FailedPrecondition, InvalidArgument, KilnError
+    from kiln.core.errors import FailedPrecondition, InvalidArgument, KilnError
     from kiln.ir.evaluate import evaluate
 
     x = sample.input

@@ -16,13 +16,15 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from kiln import cache, errors
-from kiln.client import channel as _channel, call as _call, kiln_error as _kiln_error, retrying as _retrying
-from kiln.digest import Digest
-from kiln.limits import CONTENDED
-from kiln.store import BlobStore, open_store
-from kiln.telemetry import child_span, setup_tracing, span
-from kiln.tensors import array_from_pb, array_to_pb, numpy_to_torch, torch_to_numpy
+from kiln.cas import cache
+from kiln.core import errors
+from kiln.rpc.client import channel as _channel, call as _call, kiln_error as _kiln_error, retrying as _retrying
+from kiln.cas.digest import Digest
+from kiln.core.limits import CONTENDED
+from kiln.cas.store import BlobStore, open_store
+from kiln.core.telemetry import child_span, setup_tracing, span
+from kiln.ir.dtypes import numpy_to_torch, torch_to_numpy
+from kiln.rpc.tensors import array_from_pb, array_to_pb
 from kiln.v1 import services_pb2
 
 log = logging.getLogger(__name__)
@@ -243,7 +245,7 @@ class Pipeline:
                 symbols: Optional[dict] = None) -> list[tuple[Digest, float, float, float, float]]:
         """Time candidate bundles on the executor: (bundle, median s, min s, relative, others busy)
         each, relative the median over interleaved rounds of its time over the round's fastest,
-        others busy the share of the machine other processes took meanwhile (kiln.limits.CpuLoad)."""
+        others busy the share of the machine other processes took meanwhile (kiln.core.limits.CpuLoad)."""
         if "executor" in self.addresses:
             req = services_pb2.ProfileRequest(bundles=[b.to_pb() for b in bundles], manifest=manifest.to_pb(),
                                               repeats=repeats, symbols=symbols or {})

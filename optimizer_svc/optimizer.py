@@ -12,14 +12,14 @@ from typing import Callable, Optional
 
 from opentelemetry import context as otel_context
 
-from kiln import cache
-from kiln.digest import Digest, digest_message
-from kiln.errors import DeadlineExceeded, InvalidArgument, KilnError, ResourceExhausted
+from kiln.cas import cache
+from kiln.cas.digest import Digest, digest_message
+from kiln.core.errors import DeadlineExceeded, InvalidArgument, KilnError, ResourceExhausted
 from kiln.ir.kernel import KernelGraph, kernel_graph_to_pb
 from kiln.ir.graph import Graph
 from kiln.ir.serialize import graph_from_pb, graph_to_pb
-from kiln.store import BlobStore
-from kiln.telemetry import current_span, span
+from kiln.cas.store import BlobStore
+from kiln.core.telemetry import current_span, span
 from kiln.v1 import ir_pb2, services_pb2
 from optimizer_svc.cost import predict
 from optimizer_svc.fold import hoist

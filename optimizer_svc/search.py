@@ -18,7 +18,7 @@ from typing import Optional
 from egglog import EGraph, String, i64, set_, union
 from egglog.pretty import pretty_decl
 
-from kiln.errors import ResourceExhausted
+from kiln.core.errors import ResourceExhausted
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import ATTENTION_TILES, DEFAULT_GEMM_TILE, GEMM_TILES, Graph
@@ -27,9 +27,9 @@ from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import evaluate_dim, numel
 from kiln.ir import view as view_specs
 from kiln.ir.view import ViewSpec, compose
-from kiln.limits import memory_limit, resident_bytes
-from kiln.metrics import EGRAPH_ECLASSES, EGRAPH_ENODES
-from kiln.telemetry import span
+from kiln.core.limits import memory_limit, resident_bytes
+from kiln.core.metrics import EGRAPH_ECLASSES, EGRAPH_ENODES
+from kiln.core.telemetry import span
 from optimizer_svc.rules.algebra import algebra
 from optimizer_svc.rules.attention import attention
 from optimizer_svc.rules.matmul import GemmMember, bias_member, gemm_merge, is_gemm_layout, matmul, merged_bias_tables

@@ -5,11 +5,11 @@ import os
 import time
 from typing import Optional
 
-from kiln import client
-from kiln.digest import Digest
+from kiln.rpc import client
+from kiln.cas.digest import Digest
 from kiln.ir.serialize import graph_from_pb, graph_to_pb
-from kiln.service import deadline_of, rpc
-from kiln.telemetry import span
+from kiln.rpc.server import deadline_of, rpc
+from kiln.core.telemetry import span
 from kiln.v1 import ir_pb2, services_pb2, services_pb2_grpc
 from optimizer_svc.optimizer import (OptimizeOptions, PeerSaturate, check_bounds, optimize, saturate_region,
                                      search_report_from_pb, search_report_to_pb)

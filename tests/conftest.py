@@ -25,7 +25,7 @@ for _s in ("IMPORTER", "OPTIMIZER", "CODEGEN", "EXECUTOR"):
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from kiln.s3local import SeaweedS3  # noqa: E402
+from kiln.apps.s3local import SeaweedS3  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -39,14 +39,14 @@ def s3():
 def s3_store(s3, monkeypatch):
     for k, v in s3.env(f"kiln-tests/{uuid.uuid4().hex[:12]}").items():
         monkeypatch.setenv(k, v)
-    from kiln.store import open_store
+    from kiln.cas.store import open_store
 
     return open_store()
 
 
 @pytest.fixture
 def file_store(tmp_path):
-    from kiln.store import FileStore
+    from kiln.cas.store import FileStore
 
     return FileStore(tmp_path / "store")
 
@@ -60,7 +60,7 @@ def store(request):
 def span_exporter():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from kiln.telemetry import setup_tracing
+    from kiln.core.telemetry import setup_tracing
 
     exporter = InMemorySpanExporter()
     setup_tracing("kiln-tests", exporter)
@@ -70,8 +70,8 @@ def span_exporter():
 @pytest.fixture(scope="session")
 def services(s3, span_exporter):
     """The four services as real gRPC servers on loopback, each on its own port, over one S3 bucket."""
-    from kiln.service import serve
-    from kiln.store import open_store
+    from kiln.apps.serve import serve
+    from kiln.cas.store import open_store
 
     env = s3.env("kiln-tests/services")
     old = {k: os.environ.get(k) for k in env}

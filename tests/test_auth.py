@@ -17,11 +17,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kiln
-from kiln import client
-from kiln.auth import AuthConfig
-from kiln.errors import InvalidArgument
-from kiln.examples import mlp_example
-from kiln.service import serve
+from kiln.rpc import client
+from kiln.rpc.auth import AuthConfig
+from kiln.core.errors import InvalidArgument
+from kiln.apps.examples import mlp_example
+from kiln.apps.serve import serve
 from kiln.v1 import services_pb2, services_pb2_grpc
 
 TOKEN = "s3cr3t-token-for-tests"
@@ -139,7 +139,7 @@ def test_compile_and_run_through_all_four_services_with_mtls_and_a_token(pki, fi
             expected = model(*inputs)
         np.testing.assert_allclose(compiled(*inputs).numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
         monkeypatch.delenv("KILN_AUTH_TOKEN_FILE")  # the same client without its token
-        with pytest.raises(kiln.errors.KilnError, match="bearer token") as e:
+        with pytest.raises(kiln.core.errors.KilnError, match="bearer token") as e:
             kiln.Pipeline(file_store, {s: addr for s in ("importer", "optimizer", "codegen", "executor")}).load(
                 compiled.result.bundle, compiled.result.manifest)
         assert e.value.code == "UNAUTHENTICATED"
@@ -161,7 +161,7 @@ def test_incomplete_or_unreadable_settings_are_refused_with_the_setting_named(pk
 
 def test_kiln_serve_flags_turn_tls_and_tokens_on(pki, tmp_path):
     env = {**os.environ, "KILN_STORE": f"file://{tmp_path / 'store'}"}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", "executor", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "executor", "--port", "0",
                              "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
                              "--auth-token-file", str(pki / "tokens")],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -192,7 +192,7 @@ def test_s3_credentials_never_reach_a_span_or_a_log(s3, services, span_exporter)
         model, inputs = mlp_example(seed=8)
         compiled = kiln.compile(model, inputs, pipeline=kiln.Pipeline(store, addrs))
         compiled(*inputs)
-        with pytest.raises(kiln.errors.InvalidArgument):  # an error path, too: a manifest is no bundle
+        with pytest.raises(kiln.core.errors.InvalidArgument):  # an error path, too: a manifest is no bundle
             kiln.Pipeline(store, addrs).load(compiled.result.manifest, compiled.result.manifest)
     finally:
         root.removeHandler(handler)

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 import kiln
-from kiln.digest import Digest
-from kiln.examples import mlp_example
+from kiln.cas.digest import Digest
+from kiln.apps.examples import mlp_example
 from kiln.v1 import services_pb2
 
 
 def test_calibrate_measures_once_per_fingerprint(file_store, tmp_path):
     from executor_svc.calibrate import GEMM_CLASSES, calibrate, fingerprint
-    from kiln.store import open_store
+    from kiln.cas.store import open_store
 
     d, p, cached = calibrate(file_store, force=True)
     assert not cached and p.fingerprint == fingerprint("cpu") and p.target == "cpu"
@@ -21,7 +21,7 @@ def test_calibrate_measures_once_per_fingerprint(file_store, tmp_path):
     assert all(g.gflops > 0.05 for g in p.gemm)  # real BLAS: far above a naive scalar loop
     assert p.bandwidth_gbs > 0.1 and p.elementwise_gelems > 0 and 0 < p.kernel_overhead_us < 1e5
     assert p.cached_gelems > p.elementwise_gelems  # in cache, not streamed from memory (~10x here)
-    from kiln.vectorwidth import host_widths  # the in-cache loop at LLVM's width and each the CPU has
+    from kiln.runtime.vectorwidth import host_widths  # the in-cache loop at LLVM's width and each the CPU has
 
     assert [v.bits for v in p.vector_rates] == [0, *host_widths()] and all(v.gelems > 0 for v in p.vector_rates)
     d2, p2, cached2 = calibrate(file_store)
@@ -36,8 +36,8 @@ def test_a_machine_measured_while_others_took_the_cpus_is_not_cached(tmp_path, m
     the machine, not the machine: the profile is used, but the next calibration measures again.
     At or below it, the profile is cached."""
     from executor_svc import calibrate as cal
-    from kiln.limits import CONTENDED, CpuLoad
-    from kiln.store import open_store
+    from kiln.core.limits import CONTENDED, CpuLoad
+    from kiln.cas.store import open_store
 
     calls = []
 
@@ -59,7 +59,7 @@ def test_a_machine_measured_while_others_took_the_cpus_is_not_cached(tmp_path, m
 
 def test_known_profile_never_measures(tmp_path, monkeypatch):
     from executor_svc import calibrate as cal
-    from kiln.store import open_store
+    from kiln.cas.store import open_store
 
     monkeypatch.setattr(cal, "measure", lambda target: pytest.fail("a lookup measured the machine"))
     store = open_store(f"file://{tmp_path / 'fresh'}")
@@ -161,7 +161,7 @@ def test_each_timed_run_follows_one_of_its_own(local_pipeline, monkeypatch):
 
 
 def test_profile_rejects_bad_requests(remote_pipeline):
-    from kiln.errors import InvalidArgument, NotFound
+    from kiln.core.errors import InvalidArgument, NotFound
 
     model, inputs = mlp_example()
     r = kiln.compile(model, inputs, pipeline=remote_pipeline).result

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import kiln
-from kiln.digest import Digest
-from kiln.examples import mlp_example
-from kiln.limits import CONTENDED
+from kiln.cas.digest import Digest
+from kiln.apps.examples import mlp_example
+from kiln.core.limits import CONTENDED
 
 
 def test_candidates_are_timed_and_the_fastest_is_kept(pipeline):
@@ -78,7 +78,7 @@ def test_cpu_load_sees_other_processes():
     import sys
     import time
 
-    from kiln.limits import CpuLoad
+    from kiln.core.limits import CpuLoad
 
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
     try:
@@ -121,7 +121,7 @@ def test_schedule_grid_changes_the_partition():
 
 
 def test_candidates_bound_is_checked(monkeypatch):
-    from kiln.errors import InvalidArgument
+    from kiln.core.errors import InvalidArgument
     from kiln.pipeline import default_candidates
     from optimizer_svc.optimizer import MAX_CANDIDATES, OptimizeOptions, check_options
 
@@ -137,7 +137,7 @@ def test_candidates_bound_is_checked(monkeypatch):
 def test_every_candidate_of_an_encoder_matches_eager(local_pipeline):
     """Attention, layer norms and GEMMs under each timed schedule (row kernels or not, epilogues
     or not, BLAS or generated-loop GEMMs, parallel or serial) compute the same outputs."""
-    from kiln.examples import encoder_example
+    from kiln.apps.examples import encoder_example
 
     model, (x,) = encoder_example()
     compiled = kiln.compile(model, (x,), pipeline=local_pipeline, candidates=8)

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.examples import mlp_example
-from kiln.s3local import free_port
+from kiln.apps.examples import mlp_example
+from kiln.apps.s3local import free_port
 
 
 def kiln_cli(*args, env=None, check=True):
-    r = subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True,
                        env={**os.environ, **(env or {})}, timeout=600)
     if check and r.returncode != 0:
         raise AssertionError(f"kiln {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
@@ -68,7 +68,7 @@ def test_serve_all_on_one_port(s3):
 
     port = free_port()
     env = {**os.environ, **s3.env("kiln-tests/serve-all")}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", "all", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "all", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         addr = f"127.0.0.1:{port}"
@@ -83,8 +83,8 @@ def test_serve_all_on_one_port(s3):
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise AssertionError(f"server did not come up: {proc.stdout.read() if proc.poll() is not None else ''}")
                 time.sleep(0.5)
-        from kiln.store import S3Store
-        from kiln.s3local import ACCESS_KEY, SECRET_KEY
+        from kiln.cas.store import S3Store
+        from kiln.apps.s3local import ACCESS_KEY, SECRET_KEY
 
         store = S3Store("kiln-tests", s3.endpoint, ACCESS_KEY, SECRET_KEY, prefix="serve-all")
         p = Pipeline(store, {s: addr for s in ("importer", "optimizer", "codegen", "executor")})

@@ -56,7 +56,7 @@ def test_nan_and_inf_propagate_as_torch(local_pipeline):
 
 
 def test_out_of_range_index_is_invalid_argument_not_a_bad_read(local_pipeline):
-    from kiln.errors import InvalidArgument
+    from kiln.core.errors import InvalidArgument
 
     table = torch.randn(10, 4)
     compiled = kiln.compile(Fn(lambda i: F.embedding(i, table)), (torch.tensor([1, 2]),), pipeline=local_pipeline)
@@ -245,7 +245,7 @@ def test_long_view_chain_with_search_off_compiles_and_matches(local_pipeline):
 def test_kernels_are_content_addressed_and_checked(local_pipeline):
     """Two models sharing a kernel share its module (compiled once per machine); a bundle whose
     kernel is not named by its source's hash is refused before anything is written."""
-    from kiln.errors import InvalidArgument
+    from kiln.core.errors import InvalidArgument
 
     x = torch.randn(4, 8)
     a = kiln.compile(Fn(lambda x: torch.sigmoid(x) * 3.0), (x,), pipeline=local_pipeline)

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import kiln
-from kiln.digest import Digest
-from kiln.errors import FailedPrecondition, InvalidArgument
-from kiln.examples import Encoder, mlp_example
+from kiln.cas.digest import Digest
+from kiln.core.errors import FailedPrecondition, InvalidArgument
+from kiln.apps.examples import Encoder, mlp_example
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.serialize import graph_to_pb

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kiln.cli import build_parser
+from kiln.apps.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -101,12 +101,12 @@ def test_compose_matches_the_code():
     assert collector["exporters"]["otlp/jaeger"]["endpoint"].startswith("jaeger:")
     for dockerfile in ("Dockerfile.cpu", "Dockerfile.cuda"):
         text = (DEPLOY / "docker" / dockerfile).read_text()
-        assert "requirements.txt" in text and 'ENTRYPOINT ["python", "-m", "kiln.cli"]' in text
+        assert "requirements.txt" in text and 'ENTRYPOINT ["python", "-m", "kiln"]' in text
 
 
 def test_a_replica_list_or_a_dns_name_is_a_client_target():
-    from kiln.client import channel_target
-    from kiln.errors import InvalidArgument
+    from kiln.rpc.client import channel_target
+    from kiln.core.errors import InvalidArgument
 
     assert channel_target("127.0.0.1:1,127.0.0.1:2") == "ipv4:127.0.0.1:1,127.0.0.1:2"
     assert channel_target("dns:///kiln-optimizer.kiln.svc.cluster.local:50052") == \

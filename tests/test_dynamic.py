@@ -8,8 +8,8 @@ import torch
 from torch.export import Dim
 
 import kiln
-from kiln.errors import InvalidArgument
-from kiln.examples import encoder_example, mlp_example
+from kiln.core.errors import InvalidArgument
+from kiln.apps.examples import encoder_example, mlp_example
 from modules import Fn
 
 
@@ -103,7 +103,7 @@ def test_comparisons_and_min_of_dims_decided_for_every_binding():
     lower to what holds for every binding, symbols being never negative; what depends on the
     binding is None for a comparison and an error for a min."""
     from importer_svc.lowerings import _dim_compare, lower_dim_min
-    from kiln.errors import FailedPrecondition
+    from kiln.core.errors import FailedPrecondition
     from kiln.ir.shape import Sym
 
     p = Sym.named("past")

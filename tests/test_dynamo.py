@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kiln.examples import mlp_example
+from kiln.apps.examples import mlp_example
 
 
 def test_backend_is_registered_by_entry_point():
@@ -34,7 +34,7 @@ def test_unlowerable_graph_raises_clearly():
 
 @pytest.mark.parametrize("which", ["llama", "cnn"])
 def test_torch_compile_with_kiln_on_llama_and_cnn(which):
-    from kiln.examples import SmallResNet
+    from kiln.apps.examples import SmallResNet
     from kiln.hf import ModelOutputTensor
     from test_hf import _llama
 

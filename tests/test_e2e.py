@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import kiln
-from kiln.errors import FailedPrecondition, InvalidArgument, NotFound
-from kiln.examples import encoder_example, mlp_example, resnet_example
+from kiln.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from kiln.apps.examples import encoder_example, mlp_example, resnet_example
 
 
 @pytest.mark.parametrize("example", [mlp_example, encoder_example], ids=["mlp", "encoder"])
@@ -132,7 +132,7 @@ def test_every_form_of_a_valid_input_gives_the_same_outputs(local_pipeline):
 
 
 def test_unknown_digest_and_session_are_not_found(remote_pipeline):
-    from kiln.digest import digest_bytes
+    from kiln.cas.digest import digest_bytes
 
     missing = digest_bytes(b"no such artifact")
     with pytest.raises(NotFound):

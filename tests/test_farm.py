@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import kiln
-from kiln import farm as farm_mod
-from kiln import trace_view
-from kiln.errors import FailedPrecondition, Unavailable
-from kiln.examples import Encoder, mlp_example
-from kiln.s3local import SeaweedS3
-from kiln.store import S3Store
-from kiln.telemetry import read_spans
+from kiln.apps import farm as farm_mod
+from kiln.apps import trace_view
+from kiln.core.errors import FailedPrecondition, Unavailable
+from kiln.apps.examples import Encoder, mlp_example
+from kiln.apps.s3local import SeaweedS3
+from kiln.cas.store import S3Store
+from kiln.core.telemetry import read_spans
 
 LEASE_TTL_S = 3  # a killed replica's lease is taken over after this
 
@@ -185,7 +185,7 @@ def test_s3_outage_is_unavailable_then_recovers_with_no_corrupt_blob(farm, s3_se
     names = [o.object_name for o in store.client.list_objects(store.bucket, prefix=store.prefix + "cas/sha256/",
                                                                 recursive=True)]
     assert len(names) > 10
-    from kiln.digest import Digest
+    from kiln.cas.digest import Digest
 
     for name in names:  # every blob reads back and hashes to its key
         store.get(Digest(name.rsplit("/", 1)[1], -1))
@@ -194,7 +194,7 @@ def test_s3_outage_is_unavailable_then_recovers_with_no_corrupt_blob(farm, s3_se
 def test_killing_the_optimizer_mid_compile_still_finishes_correctly(farm):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kiln import cache
+    from kiln.cas import cache
     from kiln.hf import ModelOutputTensor
     from kiln.v1 import ir_pb2
     from optimizer_svc.optimizer import STAGE_VERSION, OptimizeOptions

@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 import pytest
 import torch
 
-from kiln import errors
+from kiln.core import errors
 
 NEW = 64
 
@@ -153,7 +153,7 @@ def test_concurrent_requests_share_decode_steps_and_match_running_alone(llama):
 def test_stop_sequences_and_eos(llama):
     """Generation stops right after a stop sequence (finish "stop") or an end-of-sequence token
     (finish "eos", unless ignore_eos), and at max_new_tokens (finish "length")."""
-    from kiln.digest import Digest
+    from kiln.cas.digest import Digest
     from kiln.v1 import services_pb2
 
     p, model, lm = llama
@@ -215,8 +215,8 @@ def test_a_closed_stream_frees_its_sequence_at_once(llama):
 def executor_server(store_dir):
     """A real Executor gRPC server on loopback over the module's store, and its servicer."""
     from executor_svc.server import ExecutorServicer
-    from kiln.service import build_server
-    from kiln.store import FileStore
+    from kiln.rpc.server import build_server
+    from kiln.cas.store import FileStore
 
     servicer = ExecutorServicer(FileStore(store_dir))
     server, port = build_server([(servicer.add_to_server, servicer.SERVICE_NAME)], 0)
@@ -227,7 +227,7 @@ def executor_server(store_dir):
 def test_generate_over_grpc_streams_and_cancels(llama, executor_server):
     """Executor.Generate over gRPC streams the same tokens as in process; a client that cancels
     frees its slot on the server; a limit is RESOURCE_EXHAUSTED, an unknown model NOT_FOUND."""
-    from kiln.digest import Digest
+    from kiln.cas.digest import Digest
     from kiln.pipeline import Pipeline
     from kiln.v1 import services_pb2, services_pb2_grpc
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.examples import MLP, SmallResNet
+from kiln.apps.examples import MLP, SmallResNet
 from kiln.hf import ModelOutputTensor
 from test_hf import _bert, _llama
 

@@ -65,7 +65,7 @@ def test_cli_compiles_a_save_pretrained_directory(tmp_path):
     model, _ = _llama()
     model.save_pretrained(tmp_path / "llama", safe_serialization=True)
     env = {**__import__("os").environ, "KILN_STORE": f"file://{tmp_path / 'store'}"}
-    r = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(tmp_path / "llama"), "--seq-len", "5",
+    r = subprocess.run([sys.executable, "-m", "kiln", "compile", str(tmp_path / "llama"), "--seq-len", "5",
                         "--max-seq-len", "16"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
@@ -73,7 +73,7 @@ def test_cli_compiles_a_save_pretrained_directory(tmp_path):
         ids = torch.randint(0, 100, (1, t))
         np.save(tmp_path / "ids.npy", ids.numpy())
         np.save(tmp_path / "mask.npy", torch.ones_like(ids).numpy())
-        r = subprocess.run([sys.executable, "-m", "kiln.cli", "run", out["bundle"], "--manifest", out["manifest"],
+        r = subprocess.run([sys.executable, "-m", "kiln", "run", out["bundle"], "--manifest", out["manifest"],
                             "--input", f"input_ids={tmp_path / 'ids.npy'}", "--input",
                             f"attention_mask={tmp_path / 'mask.npy'}", "--out", str(tmp_path / "out")],
                            capture_output=True, text=True, env=env, timeout=600)
@@ -86,7 +86,7 @@ def test_cli_compiles_a_save_pretrained_directory(tmp_path):
 
 
 def test_directory_with_remote_code_is_refused(tmp_path):
-    from kiln.errors import FailedPrecondition
+    from kiln.core.errors import FailedPrecondition
     from kiln.hf import load_hf_directory
 
     model, _ = _llama()

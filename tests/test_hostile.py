@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import kiln
-import kiln.examples
-from kiln.digest import Digest
-from kiln.store import FileStore
-from kiln.tensors import array_from_pb, array_to_pb
+import kiln.apps.examples
+from kiln.cas.digest import Digest
+from kiln.cas.store import FileStore
+from kiln.rpc.tensors import array_from_pb, array_to_pb
 from kiln.v1 import ir_pb2, services_pb2, services_pb2_grpc
 
 STAGES = ("importer", "optimizer", "codegen", "executor")
@@ -48,7 +48,7 @@ class Server:
     def __init__(self, root: Path, **env):
         self.store = FileStore(root / "store")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kiln.cli", "serve", "all", "--port", "0"],
+            [sys.executable, "-m", "kiln", "serve", "all", "--port", "0"],
             env={**os.environ, "KILN_STORE": f"file://{root / 'store'}", **env},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         line = self.proc.stdout.readline()
@@ -183,7 +183,7 @@ def test_a_program_of_two_to_the_forty_elements_compiles_but_is_refused_at_load(
     x = torch.ones(1 << 20)
     ep = torch.export.export(Huge(), (x,))
     r = p.compile_program(p.upload_program(ep), search=False)
-    with pytest.raises(kiln.errors.ResourceExhausted, match="per-session budget"):
+    with pytest.raises(kiln.core.errors.ResourceExhausted, match="per-session budget"):
         p.load(r.bundle, r.manifest)
     assert_serving(server)
 
@@ -257,12 +257,12 @@ def test_memory_caps_per_search_and_per_session(tmp_path):
     s = Server(tmp_path, KILN_OPTIMIZE_MEMORY_MB="1", KILN_SESSION_MEMORY_MB="0.0625")
     try:
         torch.manual_seed(0)
-        ep = torch.export.export(kiln.examples.Encoder().eval(), (torch.randn(2, 16, 64),))
+        ep = torch.export.export(kiln.apps.examples.Encoder().eval(), (torch.randn(2, 16, 64),))
         p = s.pipeline()
-        with pytest.raises(kiln.errors.ResourceExhausted, match="KILN_OPTIMIZE_MEMORY_MB"):
+        with pytest.raises(kiln.core.errors.ResourceExhausted, match="KILN_OPTIMIZE_MEMORY_MB"):
             p.compile_program(p.upload_program(ep), search=True)
         r = p.compile_program(p.upload_program(ep), search=False)  # no search: no e-graph
-        with pytest.raises(kiln.errors.ResourceExhausted, match="KILN_SESSION_MEMORY_MB"):
+        with pytest.raises(kiln.core.errors.ResourceExhausted, match="KILN_SESSION_MEMORY_MB"):
             p.load(r.bundle, r.manifest)
         assert s.proc.poll() is None
         health = health_pb2_grpc.HealthStub(s.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from importer_svc.importer import import_program, lower_program
 from importer_svc.lowerings import LOWERINGS
-from kiln.errors import FailedPrecondition
+from kiln.core.errors import FailedPrecondition
 from kiln.ir.evaluate import evaluate
 from kiln.pipeline import Pipeline
 from kiln.v1 import ir_pb2
@@ -156,7 +156,7 @@ def test_unsupported_op_names_op_and_line():
 
 
 def test_weights_are_one_blob_per_tensor(file_store):
-    from kiln.examples import mlp_example
+    from kiln.apps.examples import mlp_example
 
     model, inputs = mlp_example()
     p = Pipeline(file_store)
@@ -166,7 +166,7 @@ def test_weights_are_one_blob_per_tensor(file_store):
     assert sorted(w.name for w in manifest.weights) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
     state = model.state_dict()
     for w in manifest.weights:
-        from kiln.digest import Digest
+        from kiln.cas.digest import Digest
 
         data = np.frombuffer(file_store.get(Digest.from_pb(w.digest)), np.float32).reshape(tuple(w.shape))
         np.testing.assert_array_equal(data, state[w.name].numpy())

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from kiln.digest import digest_message
+from kiln.cas.digest import digest_message
 from kiln.ir import view as views
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
@@ -181,10 +181,10 @@ def test_validate_rejects_cycles_and_dangling_refs():
 
 _DIGEST_SCRIPT = """
 import torch, io
-from kiln.examples import encoder_example
+from kiln.apps.examples import encoder_example
 from importer_svc.importer import lower_program
 from kiln.ir.serialize import graph_to_pb
-from kiln.digest import digest_message
+from kiln.cas.digest import digest_message
 model, inputs = encoder_example()
 graph, _ = lower_program(torch.export.export(model, inputs))
 print(digest_message(graph_to_pb(graph)))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 import kiln
-from kiln.examples import Encoder
-from kiln.loadtest import concurrent_compiles, distinct_mlps, run_load
+from kiln.apps.examples import Encoder
+from kiln.apps.loadtest import concurrent_compiles, distinct_mlps, run_load
 from test_hostile import STAGES, Server
 
 

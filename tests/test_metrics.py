@@ -15,7 +15,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import kiln
-from kiln.examples import mlp_example
+from kiln.apps.examples import mlp_example
 from kiln.v1 import services_pb2, services_pb2_grpc
 
 
@@ -33,7 +33,7 @@ def value(samples, name: str, **labels) -> float:
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("metrics")
     env = {**os.environ, "KILN_STORE": f"file://{d / 'store'}", "KILN_CANDIDATES": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", "all", "--port", "0", "--metrics-port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "all", "--port", "0", "--metrics-port", "0"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     serving = proc.stdout.readline()
     metrics = proc.stdout.readline()

@@ -19,7 +19,7 @@ def server(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kiln.openai_api import load_model, serve
+    from kiln.apps.openai_api import load_model, serve
     from kiln.pipeline import Pipeline
 
     d = tmp_path_factory.mktemp("openai") / "tiny-chat"

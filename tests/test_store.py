@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from kiln.digest import Digest, digest_bytes
-from kiln.errors import DataLoss, NotFound
-from kiln.store import FileStore, S3Store
+from kiln.cas.digest import Digest, digest_bytes
+from kiln.core.errors import DataLoss, NotFound
+from kiln.cas.store import FileStore, S3Store
 
 
 def test_put_get_exists(store):
@@ -91,7 +91,7 @@ def test_interrupted_put_leaves_no_blob(store, monkeypatch):
 
 
 def test_s3_store_down_is_unavailable():
-    from kiln.errors import Unavailable
+    from kiln.core.errors import Unavailable
 
     with pytest.raises(Unavailable):
         S3Store("bucket", "127.0.0.1:9", "a", "b")
@@ -111,7 +111,7 @@ def test_flight_runs_the_work_once_across_threads(store):
     import threading
     import time
 
-    from kiln import cache
+    from kiln.cas import cache
 
     key = cache.action_key("test", "1", {}, {"case": os.urandom(8).hex()})
     done, results = [], []
@@ -138,7 +138,7 @@ def test_flight_sees_work_finished_before_its_first_lease_try(store, monkeypatch
     """The race CI once lost: a caller misses the cache, and before its first lease try the
     holder records its result and releases; the caller gets the lease but must see the result,
     not do the work again."""
-    from kiln import cache
+    from kiln.cas import cache
 
     key = cache.action_key("test", "1", {}, {"case": os.urandom(8).hex()})
     real_read, finished = store.read_lease, []
@@ -158,7 +158,7 @@ def test_flight_sees_work_finished_before_its_first_lease_try(store, monkeypatch
 
 def test_an_expired_lease_is_taken_over(store, monkeypatch):
     """A holder killed mid-work stops renewing: after the TTL another caller takes over."""
-    from kiln import cache
+    from kiln.cas import cache
 
     monkeypatch.setenv("KILN_LEASE_TTL_S", "0.6")
     key = cache.action_key("test", "1", {}, {"case": os.urandom(8).hex()})
@@ -174,8 +174,8 @@ def test_an_expired_lease_is_taken_over(store, monkeypatch):
 def test_waiting_for_a_live_lease_honours_the_deadline(store):
     import time
 
-    from kiln import cache
-    from kiln.errors import DeadlineExceeded
+    from kiln.cas import cache
+    from kiln.core.errors import DeadlineExceeded
 
     key = cache.action_key("test", "1", {}, {"case": os.urandom(8).hex()})
     holder = cache.Lease.try_acquire(store, key)

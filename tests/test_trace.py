@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import kiln
-from kiln import trace_view
-from kiln.cli import main as cli_main
-from kiln.errors import NotFound
-from kiln.telemetry import otlp_json, read_spans
+from kiln.apps import trace_view
+from kiln.apps.cli import main as cli_main
+from kiln.core.errors import NotFound
+from kiln.core.telemetry import otlp_json, read_spans
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from importer_svc.safe_load import load_program
-from kiln.errors import InvalidArgument
-from kiln.examples import mlp_example
+from kiln.core.errors import InvalidArgument
+from kiln.apps.examples import mlp_example
 
 
 class _Payload:
@@ -86,7 +86,7 @@ def _hf_dir(tmp_path, safetensors: bool):
 
 
 def test_hf_directory_with_only_pickled_weights_is_refused_without_unpickling(tmp_path):
-    from kiln.errors import FailedPrecondition
+    from kiln.core.errors import FailedPrecondition
     from kiln.hf import load_hf_directory
 
     marker = tmp_path / "pwned"
@@ -104,7 +104,7 @@ def test_hf_directory_code_and_pickles_beside_safetensors_never_run(tmp_path):
     kiln loads the safetensors, and neither the code nor the pickle runs."""
     import json
 
-    from kiln.errors import FailedPrecondition
+    from kiln.core.errors import FailedPrecondition
     from kiln.hf import load_hf_directory
 
     marker = tmp_path / "pwned"

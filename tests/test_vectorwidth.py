@@ -1,11 +1,11 @@
-"""kiln.vectorwidth: a kernel compiled with a vector width gets LLVM code of that width, in its
+"""kiln.runtime.vectorwidth: a kernel compiled with a vector width gets LLVM code of that width, in its
 parallel loops too, and computes the same values."""
 
 import numpy as np
 import pytest
 from numba import njit, prange
 
-from kiln.vectorwidth import host_widths, pipeline
+from kiln.runtime.vectorwidth import host_widths, pipeline
 
 
 def _softmax_rows(x, out):

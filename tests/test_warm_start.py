@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import kiln
 from executor_svc.start import measure_start
-from kiln.examples import mlp_example
+from kiln.apps.examples import mlp_example
 from kiln.pipeline import Pipeline
 
 

@@ -61,3 +61,24 @@ class DType(enum.Enum):
 
         return {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "i32": torch.int32,
                 "i64": torch.int64, "bool": torch.bool}[self.value]
+
+
+def torch_to_numpy(t) -> np.ndarray:
+    """A torch tensor as a contiguous numpy array of the same dtype (bf16 as ml_dtypes.bfloat16)."""
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    if t.dtype is torch.bfloat16:
+        return t.view(torch.int16).numpy().view(DType.BF16.numpy)
+    return t.numpy()
+
+
+def numpy_to_torch(a: np.ndarray):
+    """The inverse of torch_to_numpy."""
+    import torch
+
+    a = np.ascontiguousarray(a)
+    if a.dtype == DType.BF16.numpy:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+

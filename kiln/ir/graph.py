@@ -44,7 +44,7 @@ KERNEL_CHOICES = {"gemm": (Op.SUM_REDUCE,), "attention": (Op.SUM_REDUCE,), "row"
 # and "/tile=N" works N rows at a time: an attention kernel's query rows (ATTENTION_TILES), a
 # GEMM's rows of C per BLAS call, its epilogue run on them right after (GEMM_TILES), and
 # "/vec=N" (any kernel) has its loops vectorized with SIMD vectors of at most N bits
-# (VECTOR_WIDTHS; none: LLVM's preferred width for the target; kiln/vectorwidth.py). Only
+# (VECTOR_WIDTHS; none: LLVM's preferred width for the target; kiln/runtime/vectorwidth.py). Only
 # reductions (GEMMs, attention) and row kernels' roots carry one: they are kernel roots whatever
 # else the partition decides.
 ATTENTION_TILES = (16, 32, 64, 128)

@@ -30,7 +30,7 @@ axis (rules/reductions.py) to give the pool an outer loop to share.
 
 Vector widths ("/vec=N" after any of the above): numba's LLVM picks one SIMD width for every
 loop (on AVX-512 CPUs it prefers 256 bits); a kernel scheduled with a width is compiled asking
-for vectors of at most N bits (kiln/vectorwidth.py). Every kernel gets each of its schedules
+for vectors of at most N bits (kiln/runtime/vectorwidth.py). Every kernel gets each of its schedules
 with each width up to the widest the target measured (`pool_vector_bits`). Extraction scales the
 kernel's in-cache loop work (a GEMM's epilogue on C, attention's softmax, a row kernel, a
 reduction whose input fits in cache) by the width's measured factor (Calibrate's vector_rates:

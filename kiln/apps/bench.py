@@ -52,7 +52,7 @@ class BenchResult:
 
 def build(name: str):
     """(module, positional inputs) with random weights, built from small configs."""
-    from kiln.examples import mlp_example, resnet_example
+    from kiln.apps.examples import mlp_example, resnet_example
 
     torch.manual_seed(0)
     if name == "mlp":

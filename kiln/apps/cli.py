@@ -25,7 +25,7 @@ def _pipeline(args):
 
 
 def cmd_compile(args) -> int:
-    from kiln.digest import Digest
+    from kiln.cas.digest import Digest
 
     from kiln.hf import is_hf_directory
 
@@ -76,7 +76,7 @@ def _load_model(args):
         try:
             return torch.export.export(module, (), kwargs, dynamic_shapes=dyn, strict=False)
         except Exception as e:  # torch raises many types when a model cannot be exported
-            from kiln.errors import FailedPrecondition
+            from kiln.core.errors import FailedPrecondition
 
             raise FailedPrecondition(f"torch.export failed for {path}: {type(e).__name__}: {e}") from e
     if path.is_file():
@@ -108,7 +108,7 @@ def cmd_ops(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from kiln.digest import Digest
+    from kiln.cas.digest import Digest
 
     p = _pipeline(args)
     inputs = []
@@ -132,12 +132,12 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from kiln.service import serve
-    from kiln.store import open_store
-    from kiln.telemetry import setup_tracing
+    from kiln.apps.serve import serve
+    from kiln.cas.store import open_store
+    from kiln.core.telemetry import setup_tracing
 
-    from kiln.auth import AuthConfig
-    from kiln.metrics import serve_metrics
+    from kiln.rpc.auth import AuthConfig
+    from kiln.core.metrics import serve_metrics
 
     stages = ["importer", "optimizer", "codegen", "executor"] if args.stage == "all" else [args.stage]
     flags = {"KILN_TLS_CERT": args.tls_cert, "KILN_TLS_KEY": args.tls_key, "KILN_TLS_CLIENT_CA": args.tls_client_ca,
@@ -160,7 +160,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_farm(args) -> int:
-    from kiln import farm
+    from kiln.apps import farm
 
     if args.action == "down":
         n = farm.down(args.dir)
@@ -179,17 +179,17 @@ def cmd_farm(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from kiln.digest import Digest
-    from kiln.show import show
-    from kiln.store import open_store
+    from kiln.cas.digest import Digest
+    from kiln.apps.show import show
+    from kiln.cas.store import open_store
 
     print(show(open_store(args.store), Digest.parse(args.digest)))
     return 0
 
 
 def cmd_trace(args) -> int:
-    from kiln import trace_view
-    from kiln.telemetry import read_spans, trace_file
+    from kiln.apps import trace_view
+    from kiln.core.telemetry import read_spans, trace_file
 
     path = Path(args.file).expanduser() if args.file else trace_file()
     spans = read_spans(path)
@@ -208,13 +208,13 @@ def cmd_trace(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from kiln.demo import main
+    from kiln.apps.demo import main
 
     return main(args)
 
 
 def cmd_bench(args) -> int:
-    from kiln.bench import MODELS, bench, plot, report, write_json
+    from kiln.apps.bench import MODELS, bench, plot, report, write_json
 
     names = list(MODELS) if args.model == "all" else [args.model]
     results = []
@@ -233,14 +233,14 @@ def cmd_bench(args) -> int:
 def cmd_profile(args) -> int:
     """Per-kernel times of a bundle (by digest, with --manifest) or of a model compiled first."""
     from executor_svc.kernel_profile import kernel_times
-    from kiln.digest import Digest
+    from kiln.cas.digest import Digest
     from kiln.v1 import ir_pb2
 
     p = _pipeline(args)
     if p.remote:
         print("kiln profile: times kernels in this process; unset the service addresses", file=sys.stderr)
         return 2
-    from kiln import bench
+    from kiln.apps import bench
 
     path = Path(args.model)
     program = None
@@ -277,7 +277,7 @@ def cmd_profile(args) -> int:
 def cmd_generate(args) -> int:
     """Compile a causal LM directory for generation (cached: a second call does no stage work)
     and generate: new token ids on one line for --prompt-ids, text as it is made for --prompt."""
-    from kiln.errors import InvalidArgument
+    from kiln.core.errors import InvalidArgument
     from kiln.llm import compile_causal_lm, load_tokenizer
 
     if (args.prompt is None) == (args.prompt_ids is None):
@@ -312,7 +312,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve_openai(args) -> int:
-    from kiln.openai_api import load_model, serve
+    from kiln.apps.openai_api import load_model, serve
 
     p = _pipeline(args)
     model = load_model(p, args.model, args.max_context, args.max_batch, args.name)
@@ -455,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from kiln.errors import KilnError
+    from kiln.core.errors import KilnError
 
     args = build_parser().parse_args(argv)
     try:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.digest import Digest
-from kiln.errors import InvalidArgument
+from kiln.cas.digest import Digest
+from kiln.core.errors import InvalidArgument
 from kiln.ir.dtypes import DType
 from kiln.ir.serialize import dtype_from_pb, dtype_to_pb
-from kiln.store import BlobStore
+from kiln.cas.store import BlobStore
 from kiln.v1 import ir_pb2
 
 INLINE_LIMIT = 4 << 20  # larger tensors travel as blobs
@@ -48,24 +48,3 @@ def array_from_pb(t: ir_pb2.Tensor, store: BlobStore | None = None) -> np.ndarra
         raise InvalidArgument(f"tensor {t.name!r}: {len(data)} bytes do not hold {dt.value}{list(t.shape)} "
                               f"({count * dt.itemsize} bytes)")
     return np.frombuffer(data, dtype=dt.numpy).reshape(tuple(t.shape)).copy()
-
-
-def torch_to_numpy(t) -> np.ndarray:
-    """A torch tensor as a contiguous numpy array of the same dtype (bf16 as ml_dtypes.bfloat16)."""
-    import torch
-
-    t = t.detach().cpu().contiguous()
-    if t.dtype is torch.bfloat16:
-        return t.view(torch.int16).numpy().view(DType.BF16.numpy)
-    return t.numpy()
-
-
-def numpy_to_torch(a: np.ndarray):
-    """The inverse of torch_to_numpy."""
-    import torch
-
-    a = np.ascontiguousarray(a)
-    if a.dtype == DType.BF16.numpy:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
-

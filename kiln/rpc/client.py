@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kiln import errors
-from kiln.telemetry import current_span
+from kiln.core import errors
+from kiln.core.telemetry import current_span
 
 RETRY_FIRST_S = 0.05  # first backoff after UNAVAILABLE; doubles per attempt, with jitter
 RETRY_MAX_S = 2.0
@@ -37,12 +37,12 @@ def channel_target(addresses: str) -> str:
 
 def channel(addresses: str, auth=None):
     """A traced channel; TLS, a client certificate and a bearer token follow `auth` (default: the
-    environment, see kiln.auth)."""
+    environment, see kiln.rpc.auth)."""
     import grpc
 
-    from kiln.auth import AuthConfig, BearerTokenClientInterceptor
-    from kiln.service import MAX_MESSAGE_BYTES
-    from kiln.telemetry import instrument_channel
+    from kiln.rpc.auth import AuthConfig, BearerTokenClientInterceptor
+    from kiln.rpc.server import MAX_MESSAGE_BYTES
+    from kiln.core.telemetry import instrument_channel
 
     auth = auth if auth is not None else AuthConfig.from_env()
     options = [("grpc.lb_policy_name", "round_robin"), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

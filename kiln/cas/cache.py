@@ -11,11 +11,11 @@ import time
 import uuid
 from typing import Iterator, Mapping, Optional
 
-from kiln.digest import Digest, digest_bytes
-from kiln.store import BlobStore
-from kiln.errors import DeadlineExceeded, KilnError
-from kiln.metrics import count_cache_lookup
-from kiln.telemetry import current_span
+from kiln.cas.digest import Digest, digest_bytes
+from kiln.cas.store import BlobStore
+from kiln.core.errors import DeadlineExceeded, KilnError
+from kiln.core.metrics import count_cache_lookup
+from kiln.core.telemetry import current_span
 from kiln.v1 import ir_pb2
 
 

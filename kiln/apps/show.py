@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from google.protobuf.message import DecodeError
 
-from kiln.digest import Digest
-from kiln.errors import InvalidArgument
+from kiln.cas.digest import Digest
+from kiln.core.errors import InvalidArgument
 from kiln.ir.kernel import kernel_graph_from_pb
 from kiln.ir.serialize import dtype_from_pb, graph_from_pb, tensor_spec_from_pb
 from kiln.ir.shape import format_shape
-from kiln.store import BlobStore
+from kiln.cas.store import BlobStore
 from kiln.v1 import ir_pb2
 
 

@@ -24,8 +24,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator, Optional
 
-from kiln import errors
-from kiln.digest import Digest
+from kiln.core import errors
+from kiln.cas.digest import Digest
 
 DEFAULT_MAX_TOKENS = 16
 MAX_BODY_BYTES = 1 << 20

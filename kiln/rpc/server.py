@@ -1,6 +1,6 @@
 """Server plumbing shared by the four services: error mapping, health, reflection, tracing.
 
-This is the one place that starts gRPC servers (the CLI and the test fixtures both use it).
+This is the one place that builds gRPC servers; `kiln.apps.serve` maps stage names to servicers.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kiln import errors
-from kiln.auth import AuthConfig
-from kiln.interceptors import BearerTokenInterceptor, MetricsInterceptor, RequestDecodeInterceptor
-from kiln.telemetry import grpc_server_interceptors
+from kiln.core import errors
+from kiln.rpc.auth import AuthConfig
+from kiln.rpc.interceptors import BearerTokenInterceptor, MetricsInterceptor, RequestDecodeInterceptor
+from kiln.core.telemetry import grpc_server_interceptors
 
-log = logging.getLogger("kiln.service")
+log = logging.getLogger("kiln.rpc")
 
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -105,26 +105,3 @@ def build_server(register: Iterable[tuple[Callable[[grpc.Server], None], str]], 
         raise OSError(f"cannot bind {host}:{port}")
     server.start()
     return server, bound
-
-
-def stage_services(store, stages: Iterable[str]):
-    """(add_to_server, service name) pairs for the named stages, sharing one store."""
-    from importer_svc.server import ImporterServicer
-    from optimizer_svc.server import OptimizerServicer
-    from codegen_svc.server import CodegenServicer
-    from executor_svc.server import ExecutorServicer
-
-    table = {"importer": ImporterServicer, "optimizer": OptimizerServicer, "codegen": CodegenServicer,
-             "executor": ExecutorServicer}
-    out = []
-    for name in stages:
-        if name not in table:
-            raise ValueError(f"unknown stage {name!r}; stages are {', '.join(table)} or all")
-        servicer = table[name](store)
-        out.append((servicer.add_to_server, servicer.SERVICE_NAME))
-    return out
-
-
-def serve(stages: Iterable[str], port: int, store, host: str = "127.0.0.1",
-          auth: Optional[AuthConfig] = None) -> tuple[grpc.Server, int]:
-    return build_server(stage_services(store, stages), port, host, auth=auth)

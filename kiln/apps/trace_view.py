@@ -1,6 +1,6 @@
 """`kiln trace`: a recorded trace as a tree with durations, or as a self-contained HTML timeline.
 
-Reads the spans `kiln.telemetry.read_spans` returns (the local OTLP JSON lines file).
+Reads the spans `kiln.core.telemetry.read_spans` returns (the local OTLP JSON lines file).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kiln.errors import NotFound
+from kiln.core.errors import NotFound
 
 # attributes worth a column in the tree, besides every kiln.* one
 _EXTRA_KEYS = ("rpc.method", "rpc.grpc.status_code")

@@ -1,4 +1,4 @@
-"""gRPC server interceptors every kiln server runs (kiln.service.build_server puts them in order):
+"""gRPC server interceptors every kiln server runs (kiln.rpc.server.build_server puts them in order):
 metrics, the bearer-token check, and turning unparsable requests into INVALID_ARGUMENT."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import grpc
 
-from kiln.metrics import RPC_IN_FLIGHT, RPC_LATENCY, RPC_REQUESTS
+from kiln.core.metrics import RPC_IN_FLIGHT, RPC_LATENCY, RPC_REQUESTS
 
 # health probes (Kubernetes' gRPC probe sends no token) reveal nothing but SERVING
 UNAUTHENTICATED_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")

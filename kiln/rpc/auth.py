@@ -9,7 +9,7 @@ Client: KILN_TLS_CA (the CA that signed the servers) turns TLS on; KILN_TLS_CLIE
 KILN_TLS_CLIENT_KEY present a certificate; KILN_TLS_SERVER_NAME overrides the name checked against
 the server's certificate; the first token of the same token setting is sent with every call.
 A service that calls others (the optimizer's peers) uses both halves. The server's token check is
-kiln.interceptors.BearerTokenInterceptor.
+kiln.rpc.interceptors.BearerTokenInterceptor.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Mapping, Optional
 
 import grpc
 
-from kiln.errors import InvalidArgument
+from kiln.core.errors import InvalidArgument
 
 
 def _read(env: Mapping[str, str], name: str) -> Optional[bytes]:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
-from kiln.errors import FailedPrecondition, InvalidArgument, Unavailable
-from kiln.s3local import SeaweedS3, free_port
+from kiln.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kiln.apps.s3local import SeaweedS3, free_port
 
 STAGES = ("importer", "optimizer", "codegen", "executor")
 DEFAULT_DIR = "~/.cache/kiln/farm"
@@ -93,7 +93,7 @@ def _wait_serving(address: str, proc: subprocess.Popen, log: Path, deadline: flo
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kiln.client import channel
+    from kiln.rpc.client import channel
 
     with channel(address) as ch:  # the farm's own TLS settings, if any
         stub = health_pb2_grpc.HealthStub(ch)
@@ -153,7 +153,7 @@ def up(counts: Mapping[str, int], directory: str | os.PathLike = DEFAULT_DIR,
                 child.setdefault("KILN_TRACE_FILE", str(d / "traces.jsonl"))
                 log = d / "logs" / f"{stage}-{i}.log"
                 with open(log, "ab") as out:
-                    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", stage, "--port", str(port)],
+                    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", stage, "--port", str(port)],
                                             env=child, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
                 farm.replicas.append(Replica(stage, i, port, proc.pid))
                 procs.append((proc, log))

@@ -15,8 +15,8 @@ from typing import Optional, Type, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from kiln.digest import Digest, digest_bytes, serialize
-from kiln.errors import DataLoss, InvalidArgument, NotFound, Unavailable
+from kiln.cas.digest import Digest, digest_bytes, serialize
+from kiln.core.errors import DataLoss, InvalidArgument, NotFound, Unavailable
 
 M = TypeVar("M", bound=Message)
 
@@ -87,7 +87,7 @@ class BlobStore(ABC):
     def put_action(self, key: str, result: Digest) -> None:
         self._write(f"ac/{key}", str(result).encode())
 
-    # leases (kiln.cache.flight): small mutable records under lease/, never blobs
+    # leases (kiln.cas.cache.flight): small mutable records under lease/, never blobs
     def create_lease(self, name: str, data: bytes) -> bool:
         return self._create(f"lease/{name}", data)
 

@@ -10,7 +10,7 @@ import torch
 
 def main(args) -> int:
     import kiln
-    from kiln.examples import encoder_example
+    from kiln.apps.examples import encoder_example
 
     model, inputs = encoder_example()
     t0 = time.perf_counter()

@@ -58,8 +58,8 @@ def run_load(address: str, session: str, inputs: Sequence[tuple[str, np.ndarray]
     compile the session's kernels); every output is checked against `expected`."""
     import grpc
 
-    from kiln.client import channel
-    from kiln.tensors import array_from_pb, array_to_pb
+    from kiln.rpc.client import channel
+    from kiln.rpc.tensors import array_from_pb, array_to_pb
     from kiln.v1 import services_pb2, services_pb2_grpc
 
     request = services_pb2.RunRequest(session=session, inputs=[array_to_pb(n, a) for n, a in inputs])

@@ -1,0 +1,1 @@
+"""RPC plumbing: building servers, clients with retries, interceptors, auth, tensors on the wire."""

@@ -1,0 +1,1 @@
+"""What generated kernels import at run time (nothing here knows about stages)."""
