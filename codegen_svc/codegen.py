@@ -6,34 +6,25 @@ from typing import Optional
 
 from kiln.cas import cache
 from kiln.cas.digest import Digest
-from kiln.core.errors import FailedPrecondition, InvalidArgument
+from kiln.core.errors import InvalidArgument
 from kiln.ir.kernel import kernel_graph_from_pb
 from kiln.ir.serialize import dim_to_pb, dtype_to_pb, graph_to_pb, tensor_spec_to_pb
 from kiln.cas.store import BlobStore
 from kiln.core.telemetry import current_span, span
 from kiln.v1 import ir_pb2
-from codegen_svc.emit_cpu import emit_cpu
-from codegen_svc.emit_cuda import BLOCK as CUDA_BLOCK, TILE as CUDA_TILE, check_launch, emit_cuda
+from codegen_svc.targets import target as target_named
 
 STAGE_VERSION = "codegen-1-" + cache.code_version("codegen_svc", "kiln.ir")
-TARGETS = ("cpu", "cuda")
 
 
 def emit(store: BlobStore, kg_d: Digest, target: str = "cpu", deadline: Optional[float] = None,
          block: int = 0, tile: int = 0) -> tuple[Digest, int, int]:
     """Returns (bundle digest, kernel count, peak bytes). `block` and `tile` shape a cuda
     program's launches (0: the defaults)."""
-    target = target or "cpu"
-    if target not in TARGETS:
-        raise FailedPrecondition(f"unknown target {target!r}; this codegen emits for {', '.join(TARGETS)}")
-    options: dict = {"target": target}
-    if target == "cuda":
-        block, tile = block or CUDA_BLOCK, tile or CUDA_TILE
-        check_launch(block, tile)
-        if (block, tile) != (CUDA_BLOCK, CUDA_TILE):
-            options.update(block=block, tile=tile)
-    elif block or tile:
-        raise InvalidArgument(f"launch shapes (block, tile) are for the cuda target, not {target!r}")
+    tgt = target_named(target)
+    target = tgt.name
+    launch = tgt.launch(block, tile)
+    options: dict = {"target": target, **launch}
     key = cache.action_key("emit", STAGE_VERSION, {"kernel_graph": kg_d}, options)
     with cache.flight(store, key, deadline) as hit:  # one replica does it; the others wait
         if hit is not None:
@@ -44,7 +35,7 @@ def emit(store: BlobStore, kg_d: Digest, target: str = "cpu", deadline: Optional
         except ValueError as e:
             raise InvalidArgument(f"kernel graph {kg_d} is malformed: {e}") from e
         with span("codegen.emit", **{"kiln.kernel_graph": str(kg_d), "kiln.target": target}) as s:
-            prog = emit_cuda(kg, block, tile) if target == "cuda" else emit_cpu(kg)
+            prog = tgt.emit(kg, **launch)
             s.set_attribute("kiln.kernels", len(prog.kernels))
         g = kg.graph
         bundle = ir_pb2.Bundle(target=target, module_source=prog.module_source, entry=prog.entry,

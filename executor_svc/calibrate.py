@@ -84,7 +84,7 @@ def _simulated() -> bool:
 
 
 def measure_cuda(repeats: int = 7) -> services_pb2.TargetProfile:
-    """The cuda target's constants, with kernels shaped as codegen_svc/emit_cuda.py writes them:
+    """The cuda target's constants, with kernels shaped as codegen_svc/targets/cuda/ writes them:
     a 16x16 shared-memory GEMM tile per block, one thread per element for the stream, an empty
     launch for the fixed cost. Under numba's simulator the shapes are tiny (the numbers then say
     nothing about a GPU; the profile's fingerprint names the simulator)."""
@@ -129,10 +129,13 @@ def measure_cuda(repeats: int = 7) -> services_pb2.TargetProfile:
 
 
 def measure(target: str = "cpu", repeats: int = 7) -> services_pb2.TargetProfile:
-    if target == "cuda":
-        return measure_cuda(repeats)
-    if target != "cpu":
-        raise FailedPrecondition(f"this executor calibrates the cpu and cuda targets, not {target!r}")
+    fn = MEASURE.get(target)
+    if fn is None:
+        raise FailedPrecondition(f"this executor calibrates the {' and '.join(MEASURE)} targets, not {target!r}")
+    return fn(repeats)
+
+
+def measure_cpu(repeats: int = 7) -> services_pb2.TargetProfile:
     from numba import get_num_threads, njit, prange
 
     @njit(cache=False, nogil=True)
@@ -170,7 +173,7 @@ def measure(target: str = "cpu", repeats: int = 7) -> services_pb2.TargetProfile
             a[i] += np.float32(1.0)
 
     t0 = time.perf_counter()
-    p = services_pb2.TargetProfile(target=target, fingerprint=fingerprint(target))
+    p = services_pb2.TargetProfile(target="cpu", fingerprint=fingerprint("cpu"))
     rng = np.random.default_rng(0)
     for name, m, n, k in GEMM_CLASSES:
         a = rng.standard_normal((m, k), dtype=np.float32)
@@ -206,6 +209,9 @@ def measure(target: str = "cpu", repeats: int = 7) -> services_pb2.TargetProfile
     p.threads = get_num_threads()
     p.measured_s = time.perf_counter() - t0
     return p
+
+
+MEASURE = {"cpu": measure_cpu, "cuda": measure_cuda}  # target -> how this executor measures it
 
 
 def calibrate(store: BlobStore, target: str = "cpu", force: bool = False

@@ -1,4 +1,4 @@
-"""The kernels Calibrate times on a CUDA device, shaped as codegen_svc/emit_cuda.py writes them.
+"""The kernels Calibrate times on a CUDA device, shaped as codegen_svc/targets/cuda/ writes them.
 (Module-level, so numba's simulator can stand in for the device: it swaps this module's `cuda`.)"""
 
 import numba

@@ -48,6 +48,10 @@ def cuda_device():
     return cuda
 
 
+# target -> the device a session of its bundles runs on (None: this host's CPUs)
+DEVICES = {"cpu": lambda: None, "cuda": cuda_device}
+
+
 @dataclass(frozen=True)
 class MemoryNeed:
     """What one run of a session holds (weights, memory-plan slots, inputs and outputs), in bytes:
@@ -235,10 +239,11 @@ class Executor:
         """A session for the bundle with its weights bound, not yet registered."""
         with span("executor.load", **{"kiln.bundle": str(bundle_d), "kiln.manifest": str(manifest_d)}):
             bundle = self.store.get_message(bundle_d, ir_pb2.Bundle)
-            if bundle.target not in ("cpu", "cuda"):
-                raise FailedPrecondition(f"bundle {bundle_d} targets {bundle.target!r}; this executor runs cpu "
-                                         "and cuda")
-            device = cuda_device() if bundle.target == "cuda" else None
+            open_device = DEVICES.get(bundle.target)
+            if open_device is None:
+                raise FailedPrecondition(f"bundle {bundle_d} targets {bundle.target!r}; this executor runs "
+                                         f"{' and '.join(DEVICES)}")
+            device = open_device()
             try:
                 memory = MemoryNeed.of(bundle)
             except ValueError as e:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -20,6 +20,7 @@ from kiln.cas import cache
 from kiln.core import errors
 from kiln.rpc.client import channel as _channel, call as _call, kiln_error as _kiln_error, retrying as _retrying
 from kiln.cas.digest import Digest
+from codegen_svc.targets import target as target_named
 from kiln.core.limits import CONTENDED
 from kiln.cas.store import BlobStore, open_store
 from kiln.core.telemetry import child_span, setup_tracing, span
@@ -45,8 +46,6 @@ def default_candidates() -> int:
 
 
 CHOOSE_REPEATS = 20
-# cuda launch shapes (threads per block, GEMM tile) timed besides the default (128, 16)
-CUDA_LAUNCH_SHAPES = ((256, 16), (64, 8), (128, 32))
 CHOOSE_VERSION = "choose-4"  # 4: chosen by paired ratios, recorded in the report
 
 
@@ -61,11 +60,11 @@ class CompileResult:
     peak_bytes: int
 
 
-def _with_launch_shapes(report: services_pb2.OptimizeReport) -> services_pb2.OptimizeReport:
-    """The report with its first (best predicted) candidate added once per other cuda launch shape."""
+def _with_launch_shapes(report: services_pb2.OptimizeReport, shapes) -> services_pb2.OptimizeReport:
+    """The report with its first (best predicted) candidate added once per other launch shape."""
     out = services_pb2.OptimizeReport()
     out.CopyFrom(report)
-    for block, tile in CUDA_LAUNCH_SHAPES:
+    for block, tile in shapes:
         c = out.candidates.add()
         c.CopyFrom(report.candidates[0])
         c.block, c.tile = block, tile
@@ -285,8 +284,9 @@ class Pipeline:
         A choice is recorded in the action cache per target fingerprint, so it is made once."""
         fingerprint = (self.store.get_message(target_profile, services_pb2.TargetProfile).fingerprint
                        if target_profile is not None else "")
-        if target == "cuda":  # the best predicted program again, under each other launch shape
-            report = _with_launch_shapes(report)
+        shapes = target_named(target).launch_shapes
+        if shapes:  # the best predicted program again, under each other launch shape
+            report = _with_launch_shapes(report, shapes)
         kgs = [Digest.from_pb(c.kernel_graph) for c in report.candidates]
         # keyed by the emitted bundles: new generated code is timed again (emit is cached)
         bundles = [self.emit(d, target, c.block, c.tile)[0] for d, c in zip(kgs, report.candidates)]

@@ -84,7 +84,7 @@ def test_half_conversions_are_exact():
     16-bit word and on a million random f32 values (round to nearest even, inf, NaN, subnormals)."""
     from numba import njit
 
-    from codegen_svc.emit_cpu import HALF_HELPERS, HEADER
+    from codegen_svc.targets.cpu.target import HALF_HELPERS, HEADER
     from kiln.ir.dtypes import DType
 
     ns: dict = {}

@@ -331,6 +331,8 @@ def cmd_serve_openai(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from codegen_svc.targets import TARGETS
+
     ap = argparse.ArgumentParser(prog="kiln", description="kiln: an ahead-of-time search compiler for inference")
     ap.add_argument("--store", default=None, help="blob store URL (default $KILN_STORE or file://~/.cache/kiln)")
     for s in ("importer", "optimizer", "codegen", "executor"):
@@ -345,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-seq-len", type=int, default=None,
                    help="make the sequence dim symbolic up to this length (Hugging Face directories)")
     c.add_argument("--no-search", action="store_true", help="skip equality saturation (one kernel per op)")
-    c.add_argument("--target", default="cpu", choices=["cpu", "cuda"],
+    c.add_argument("--target", default="cpu", choices=sorted(TARGETS),
                    help="cpu (numba) or cuda (numba.cuda kernels; the executor needs a device, or "
                    "NUMBA_ENABLE_CUDASIM=1)")
     c.add_argument("--predict", action="store_true",
@@ -357,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_compile)
     cal = sub.add_parser("calibrate", help="measure the target's cost-model constants (GEMM rates, bandwidth, "
                                            "kernel overhead); kept in the store per target fingerprint")
-    cal.add_argument("--target", default="cpu", choices=["cpu", "cuda"])
+    cal.add_argument("--target", default="cpu", choices=sorted(TARGETS))
     cal.add_argument("--force", action="store_true", help="measure again even if the store has a profile")
     cal.set_defaults(fn=cmd_calibrate)
     o = sub.add_parser("ops", help="list the ATen ops a model needs and which have no lowering (no compile)")
