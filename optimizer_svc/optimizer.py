@@ -25,7 +25,8 @@ from optimizer_svc.cost import predict
 from optimizer_svc.fold import hoist
 from optimizer_svc.partition import DEFAULT_SCHEDULE, SCHEDULE_GRID, Schedule, partition, with_parallel
 from optimizer_svc.regions import RegionCycle, assemble, canonical, split
-from optimizer_svc.search import IterationStat, Pool, SearchLimits, SearchReport, graph_cost, saturate
+from optimizer_svc.cost import Pool, graph_cost
+from optimizer_svc.saturate import IterationStat, SearchLimits, SearchReport, saturate
 
 log = logging.getLogger("kiln.optimizer")
 

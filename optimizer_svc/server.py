@@ -13,7 +13,8 @@ from kiln.core.telemetry import span
 from kiln.v1 import ir_pb2, services_pb2, services_pb2_grpc
 from optimizer_svc.optimizer import (OptimizeOptions, PeerSaturate, check_bounds, optimize, saturate_region,
                                      search_report_from_pb, search_report_to_pb)
-from optimizer_svc.search import Pool, SearchLimits
+from optimizer_svc.cost import Pool
+from optimizer_svc.saturate import SearchLimits
 
 
 def options_from_request(r: services_pb2.OptimizeRequest) -> OptimizeOptions:

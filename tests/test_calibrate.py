@@ -186,7 +186,7 @@ def test_prediction_prices_a_reductions_loop_order():
     from kiln.ir.ops import Op
     from optimizer_svc.cost import predict
     from optimizer_svc.partition import partition
-    from optimizer_svc.search import ACCUMULATE, STRIDED_READ
+    from optimizer_svc.cost import ACCUMULATE, STRIDED_READ
 
     profile = services_pb2.TargetProfile(target="cpu", threads=2, elementwise_gelems=2.0, bandwidth_gbs=1000.0,
                                          kernel_overhead_us=2.0, serial_overhead_us=0.25)
@@ -207,7 +207,7 @@ def test_prediction_prices_a_reductions_loop_order():
 
 
 def test_prediction_prices_gemm_and_attention_tiles():
-    """The roofline prices tiles as extraction does (search.gemm_tile_extra,
+    """The roofline prices tiles as extraction does (cost.gemm_tile_extra,
     attention_tile_extra): a GEMM of 2048 rows and 1024 columns with a ReLU after it, on one
     thread: in 256-row tiles it pays four more BLAS calls and packs of B than in 512-row ones
     (2 MiB of C, still in cache); in one 2048-row block none, but its 8 MiB of C is read back
@@ -218,7 +218,8 @@ def test_prediction_prices_gemm_and_attention_tiles():
     from kiln.ir.kernel import KernelGraph
     from optimizer_svc.cost import predict
     from optimizer_svc.partition import partition
-    from optimizer_svc.search import GEMM_PACK, STRIDED_READ, SearchLimits, saturate
+    from optimizer_svc.cost import GEMM_PACK, STRIDED_READ
+    from optimizer_svc.saturate import SearchLimits, saturate
     from modules import Fn
 
     profile = services_pb2.TargetProfile(target="cpu", threads=2, elementwise_gelems=2.0, bandwidth_gbs=1000.0,
@@ -256,7 +257,7 @@ def test_prediction_prices_an_epilogue_at_the_in_cache_rate():
     from importer_svc.importer import lower_program
     from optimizer_svc.cost import predict
     from optimizer_svc.partition import Schedule, partition
-    from optimizer_svc.search import SearchLimits, saturate
+    from optimizer_svc.saturate import SearchLimits, saturate
     from modules import Fn
 
     w, bias = torch.randn(256, 1024), torch.randn(1024)

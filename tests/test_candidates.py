@@ -109,7 +109,7 @@ def test_schedule_grid_changes_the_partition():
     serial loops (that each still computes the model is the first test's check)."""
     from importer_svc.importer import lower_program
     from optimizer_svc.partition import SCHEDULE_GRID, Schedule, partition
-    from optimizer_svc.search import SearchLimits, saturate
+    from optimizer_svc.saturate import SearchLimits, saturate
 
     model, (x,) = mlp_example()
     g, _ = saturate(lower_program(torch.export.export(model, (x,)))[0], SearchLimits())

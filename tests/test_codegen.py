@@ -341,7 +341,7 @@ def test_searched_vector_width_compiles_and_matches(local_pipeline):
 def test_row_fusion_is_a_schedule_choice():
     from importer_svc.importer import lower_program
     from optimizer_svc.partition import Schedule, partition
-    from optimizer_svc.search import SearchLimits, saturate
+    from optimizer_svc.saturate import SearchLimits, saturate
 
     x, y, mask = torch.randn(3, 5, 24), torch.randn(3, 5, 24), torch.zeros(3, 5, 24)
     g, _ = saturate(lower_program(torch.export.export(_Norms(), (x, y, mask)))[0], SearchLimits())
@@ -358,7 +358,7 @@ def test_row_value_read_through_a_transpose_is_not_fused_with_the_wrong_row(loca
     from importer_svc.importer import lower_program
     from kiln.ir.kernel import kernel_graph_to_pb
     from optimizer_svc.partition import partition
-    from optimizer_svc.search import SearchLimits, saturate
+    from optimizer_svc.saturate import SearchLimits, saturate
 
     class M(torch.nn.Module):
         def forward(self, x, y):

@@ -10,7 +10,8 @@ from kiln.ir import view as view_specs
 from kiln.ir.evaluate import evaluate
 from kiln.ir.ops import Op
 from optimizer_svc.partition import Schedule, partition
-from optimizer_svc.search import Pool, SearchLimits, graph_cost, saturate
+from optimizer_svc.cost import Pool, graph_cost
+from optimizer_svc.saturate import SearchLimits, saturate
 
 SHAPE = (3, 4)
 
@@ -562,7 +563,7 @@ def test_vector_width_is_a_schedule_priced_by_the_target():
     assert chosen(row_sum(64), dataclasses.replace(POOL, vector=((128, 0.5),)))[1].vector == 128  # up to the widest
     assert chosen(row_sum(64), POOL)[1].vector == 0  # no rates measured: no width offered
     from kiln.v1 import services_pb2
-    from optimizer_svc.search import vector_factors
+    from optimizer_svc.cost import vector_factors
 
     profile = services_pb2.TargetProfile()
     for bits, rate in ((0, 10.0), (128, 5.0), (256, 10.3), (512, 14.0)):

@@ -9,7 +9,7 @@ from kiln.ir.evaluate import evaluate
 from kiln.ir.ops import Op
 from optimizer_svc.optimizer import saturate_regions
 from optimizer_svc.regions import assemble, canonical, split
-from optimizer_svc.search import SearchLimits
+from optimizer_svc.saturate import SearchLimits
 
 SHAPE = (4, 8)
 

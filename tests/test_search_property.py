@@ -23,7 +23,7 @@ from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.evaluate import evaluate
 from kiln.ir.ops import Op
-from optimizer_svc.search import SearchLimits, saturate
+from optimizer_svc.saturate import SearchLimits, saturate
 
 N = 4
 SHAPE = (N, N)
@@ -93,7 +93,7 @@ def build(steps):
 
 @pytest.fixture(scope="module", autouse=True)
 def frozen_heap():
-    """Each saturation ends with a gc.collect (search.py); freezing what earlier tests left in
+    """Each saturation ends with a gc.collect (saturate.py); freezing what earlier tests left in
     this process keeps those collections to the objects the saturation made."""
     gc.collect()
     gc.freeze()

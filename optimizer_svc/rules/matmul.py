@@ -28,11 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from egglog import String, eq, i64, rule, ruleset, union, var
+from egglog import EGraph, String, eq, i64, rule, ruleset, set_, union, var
 
 from kiln.ir import view as view_specs
 from kiln.ir.shape import contiguous_strides, is_static, numel
 from kiln.ir.view import ViewSpec
+from optimizer_svc.encode import Facts, literal
 from optimizer_svc.terms import (Term, bias_group, gemm_layout, member_slice, merge_group, merged_bias,
                                  merged_bias_view, merged_operand, merged_weight, merged_weight_view)
 
@@ -208,3 +209,172 @@ def merged_bias_tables(merge: GemmMerge, biases: dict) -> "dict | None":
         pads[name] = view_specs.pad((length,), ((start, total - start - length),))
     strides = tuple(1 if j == merge.n_axis else 0 for j in range(len(merge.result)))
     return {"pads": pads, "view": ViewSpec(tuple(merge.result), strides)}
+
+
+class MatmulFacts(Facts):
+    """gemm_layout for each Mul-of-views pair a SumReduce reads; the tables of each group of GEMMs
+    of one operand against weights (merge_group, merged_operand, member_slice, merged_weight_view)
+    and of their biases (bias_group, merged_bias_view)."""
+
+    def __init__(self, enc):
+        super().__init__(enc)
+        self.gemm_checked: set[tuple[str, str, int]] = set()
+        self.merged: set[tuple] = set()  # (weight, spec, axis, side) already in a GEMM merge group
+        self.merges = 0
+        self.merge_info: dict[str, GemmMerge] = {}  # group name -> its merge
+        self.bias_merged: dict[str, dict] = {}  # group -> member weight -> its bias weight
+        self.bias_entries: set[tuple] = set()
+        self.groups: dict[tuple, list[GemmMember]] = {}  # this iteration's GEMMs against a weight
+        self.weight_shape = {t.name: tuple(t.shape) for t in enc.g.weights}
+
+    def see(self, eg, view, n) -> bool:
+        nodes, enc = view.nodes, self.enc
+        if n["op"] == "Term.gemm":
+            # GEMMs against a weight, by the source of their other operand's broadcast view
+            weight_shape = self.weight_shape
+            kids = [view.eclass(c) for c in n["children"][:2]]
+            axis = view.literal(n["children"][2])
+            for side in (0, 1):
+                for w, k in view.weight_views(kids[side]):
+                    if w not in weight_shape:
+                        continue
+                    for m in view.by_class.get(kids[1 - side], []):
+                        if m["op"] != "Term.view" or view.literal(m["children"][1]) not in enc.specs:
+                            continue
+                        shared = enc.specs[view.literal(m["children"][1])]
+                        group = self.groups.setdefault((nodes[m["children"][0]]["eclass"], axis, side), [])
+                        if all(x.weight != w for x in group):
+                            group.append(GemmMember(w, weight_shape[w], enc.specs[k], axis, side, shared))
+            return False
+        added = False
+        if n["op"] == "Term.sum_reduce":
+            axis = view.literal(n["children"][1])
+            for m in view.by_class.get(view.eclass(n["children"][0]), []):
+                if m["op"] == "Term.mul":
+                    ca, cb = (view.eclass(c) for c in m["children"])
+                    for sa in view.view_specs(ca):
+                        for sb in view.view_specs(cb):
+                            added |= self.register_gemm_layout(eg, sa, sb, axis)
+        return added
+
+    def register_gemm_merges(self, eg: EGraph, groups: dict[tuple, list[GemmMember]]) -> bool:
+        """Enter the tables of each new group of GEMMs of one shared operand against weights
+        (rules/matmul.py). A member joins one group only, so each table entry is set once."""
+        added = False
+        for members in sorted(groups.values(), key=len, reverse=True):
+            members = [m for m in members if (m.weight, m.spec.key(), m.axis, m.side) not in self.merged]
+            by_layout: dict[tuple, list[GemmMember]] = {}
+            for m in sorted(members, key=lambda m: m.weight):
+                by_layout.setdefault((m.weight_shape[1:], m.spec.strides, m.axis, m.side), []).append(m)
+            for sub in by_layout.values():
+                merge = gemm_merge(f"g{self.merges}", sub)
+                if merge is None:
+                    continue
+                self.merges += 1
+                self.merge_info[merge.name] = merge
+                facts = [union(merged_weight(merge.name)).with_(self._concatenation(merge))]
+                for m in merge.members:
+                    self.merged.add((m.weight, m.spec.key(), m.axis, m.side))
+                    facts += [set_(merge_group(m.weight, m.spec.key(), m.axis, m.side)).to(String(merge.name)),
+                              set_(merged_operand(merge.name, m.weight)).to(String(self.enc.spec_key(merge.operand[m.weight]))),
+                              set_(member_slice(merge.name, m.weight)).to(String(self.enc.spec_key(merge.slices[m.weight])))]
+                facts.append(set_(merged_weight_view(merge.name)).to(String(self.enc.spec_key(merge.weight_view))))
+                eg.register(*facts)
+                added = True
+        return added
+
+    def register_bias_merge(self, eg: EGraph, group: str, members: dict) -> bool:
+        """Enter the merged bias of the group, once every member is seen with its bias, and a
+        bias_group entry for each (view, bias view) pair that adds a member's bias."""
+        merge = self.merge_info[group]
+        name = f"{group}b"
+        facts = []
+        if group not in self.bias_merged:
+            tables = merged_bias_tables(merge, {w: (b, n) for w, (b, n, _) in members.items()})
+            if tables is None:
+                return False
+            self.bias_merged[group] = {w: b for w, (b, _, _) in members.items()}
+            facts += [union(merged_bias(name)).with_(self._sum_of([Term.view(Term.weight(b), self.enc.spec_key(v))
+                                                                   for b, v in tables["pads"].items()])),
+                      set_(merged_bias_view(name)).to(String(self.enc.spec_key(tables["view"])))]
+        for w, (b, _, pairs) in members.items():
+            if self.bias_merged[group].get(w) != b:
+                continue
+            for sv, bc in pairs:
+                if (group, sv, b, bc) not in self.bias_entries:
+                    self.bias_entries.add((group, sv, b, bc))
+                    facts.append(set_(bias_group(group, sv, b, bc)).to(String(name)))
+        if facts:
+            eg.register(*facts)
+        return bool(facts)
+
+    def _concatenation(self, merge):
+        return self._sum_of([Term.view(Term.weight(m.weight), self.enc.spec_key(merge.pads[m.weight]))
+                             for m in merge.members])
+
+    @staticmethod
+    def _sum_of(parts):
+        out = parts[-1]
+        for p in reversed(parts[:-1]):
+            out = Term.add(p, out)
+        return out
+
+    def register_gemm_layout(self, eg: EGraph, a: str, b: str, axis: int) -> bool:
+        if (a, b, axis) in self.gemm_checked:
+            return False
+        self.gemm_checked.add((a, b, axis))
+        if not is_gemm_layout(self.enc.specs[a], self.enc.specs[b], axis):
+            return False
+        eg.register(gemm_layout(a, b, axis))
+        return True
+
+    def finish(self, eg, view) -> bool:
+        groups, self.groups = self.groups, {}
+        added = self.register_gemm_merges(eg, groups)
+        return self._register_bias_merges(eg, view) | added
+
+    def _register_bias_merges(self, eg, view) -> bool:
+        """For each merged GEMM whose members' results each get a bias weight added (through any
+        views), enter the tables of the merged bias (rules/matmul.py)."""
+        if not self.merge_info:
+            return False
+        nodes, by_class, enc, weight_shape = view.nodes, view.by_class, self.enc, self.weight_shape
+        group_of_class = {n["eclass"]: literal(nodes[n["children"][0]]) for n in nodes.values()
+                          if n["op"] == "merged_weight"}
+        merged_class: dict[str, str] = {}  # e-class of a merged GEMM's result -> its group
+        for n in nodes.values():
+            if n["op"] == "Term.gemm":
+                for ch in n["children"][:2]:
+                    for m in by_class.get(nodes[ch]["eclass"], []):
+                        if m["op"] == "Term.view" and nodes[m["children"][0]]["eclass"] in group_of_class:
+                            merged_class[n["eclass"]] = group_of_class[nodes[m["children"][0]]["eclass"]]
+        reads: dict[str, list[tuple[str, str]]] = {}  # e-class -> (group, view spec) of views of a merged result
+        for n in nodes.values():
+            if n["op"] == "Term.view" and nodes[n["children"][0]]["eclass"] in merged_class:
+                spec = literal(nodes[n["children"][1]])
+                if spec in enc.specs:
+                    reads.setdefault(n["eclass"], []).append((merged_class[nodes[n["children"][0]]["eclass"]], spec))
+        found: dict[str, dict] = {}  # group -> member weight -> (bias, length, [(view, bias view)])
+        for n in nodes.values():
+            if n["op"] != "Term.add":
+                continue
+            kids = [nodes[c]["eclass"] for c in n["children"]]
+            for side in (0, 1):
+                for group, sv in reads.get(kids[1 - side], []):
+                    for m in by_class.get(kids[side], []):
+                        if m["op"] != "Term.view" or literal(nodes[m["children"][1]]) not in enc.specs:
+                            continue
+                        bc = literal(nodes[m["children"][1]])
+                        for leaf in by_class.get(nodes[m["children"][0]]["eclass"], []):
+                            b = literal(nodes[leaf["children"][0]]) if leaf["op"] == "Term.weight" else None
+                            if b not in weight_shape or len(weight_shape[b]) != 1:
+                                continue
+                            w = bias_member(self.merge_info[group], enc.specs[sv], enc.specs[bc], weight_shape[b][0])
+                            if w is not None:
+                                entry = found.setdefault(group, {}).setdefault(w, (b, weight_shape[b][0], []))
+                                if entry[0] == b:
+                                    entry[2].append((sv, bc))
+        added = False
+        for group, members in found.items():
+            added |= self.register_bias_merge(eg, group, members)
+        return added

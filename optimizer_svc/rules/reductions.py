@@ -25,8 +25,11 @@ entered from Python only when the search knows the target's pool (`split_parts`)
 
 from __future__ import annotations
 
-from egglog import String, eq, f64, i64, ne, rule, ruleset, union, var
+from egglog import EGraph, String, eq, f64, i64, ne, rule, ruleset, set_, union, var
 
+from kiln.ir import view as view_specs
+from kiln.ir.ops import GroupOp
+from optimizer_svc.encode import Facts
 from optimizer_svc.terms import Term, merge_axis, merge_in, merge_out, reduce_view, shape_of, split_in, split_out
 
 reductions = ruleset(name="reductions")
@@ -81,3 +84,48 @@ def split_parts(shape, axis: int, threads: int):
         return None
     parts = [p for p in range(threads, 4 * threads + 1) if n % p == 0 and n // p >= SPLIT_MIN]
     return parts[-1] if parts else None
+
+
+class ReductionFacts(Facts):
+    """The reshapes that merge a reduction of a reduction's adjacent axes (merge_in, merge_axis,
+    merge_out) and, when the pool is known, split a reduced axis into parts (split_in, split_out)."""
+
+    def encode(self, eg, g, i, refs, pool) -> None:
+        n = g.nodes[i]
+        if n.op not in GroupOp.Reduce:
+            return
+        inner = g.nodes[n.inputs[0]]
+        if inner.op is n.op:  # a reduction of a reduction
+            self.register_merge(eg, refs[inner.inputs[0]], g.nodes[inner.inputs[0]].shape, inner.axis, n.axis)
+        if pool is not None:
+            self.register_split(eg, refs[n.inputs[0]], inner.shape, n.axis, pool.threads)
+
+    def register_merge(self, eg: EGraph, x, shape, a: int, b: int) -> None:
+        """Enter x's shape and the reshapes that merge reduced axes a then b of it, when the
+        axes are adjacent, static and not of size 1 (rules/reductions.py)."""
+        if abs(a - b) != 1 or not all(isinstance(d, int) for d in shape) or 1 in (shape[a], shape[b]):
+            return
+        key = ",".join(map(str, shape))
+        lo = min(a, b)
+        merged = tuple(shape[:lo]) + (shape[lo] * shape[lo + 1],) + tuple(shape[lo + 2:])
+        reduced = tuple(1 if j == lo else d for j, d in enumerate(merged))
+        out = tuple(1 if j in (a, b) else d for j, d in enumerate(shape))
+        eg.register(set_(shape_of(x)).to(String(key)),
+                    set_(merge_in(key, a, b)).to(String(self.enc.spec_key(view_specs.reshape(tuple(shape), merged)))),
+                    set_(merge_axis(key, a, b)).to(i64(lo)),
+                    set_(merge_out(key, a, b)).to(String(self.enc.spec_key(view_specs.reshape(reduced, out)))))
+
+    def register_split(self, eg: EGraph, x, shape, axis: int, threads: int) -> None:
+        """Enter x's shape and the reshapes that split reduced `axis` of it into parts for the
+        pool, when split_parts allows (rules/reductions.py)."""
+        parts = split_parts(tuple(shape), axis, threads)
+        if parts is None:
+            return
+        shape = tuple(shape)
+        key = ",".join(map(str, shape))
+        split = shape[:axis] + (parts, shape[axis] // parts) + shape[axis + 1:]
+        reduced = shape[:axis] + (1, 1) + shape[axis + 1:]
+        out = shape[:axis] + (1,) + shape[axis + 1:]
+        eg.register(set_(shape_of(x)).to(String(key)),
+                    set_(split_in(key, axis)).to(String(self.enc.spec_key(view_specs.reshape(shape, split)))),
+                    set_(split_out(key, axis)).to(String(self.enc.spec_key(view_specs.reshape(reduced, out)))))

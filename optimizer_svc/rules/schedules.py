@@ -16,7 +16,7 @@ of C in cache for the epilogue, and packed rows of A for BLAS; every call packs 
 the target's pool (`pool_threads`, entered from its TargetProfile).
 
 A schedule member reads its own e-class: it names how the class's kernel is computed, never
-what. Extraction (search._schedule_costs) prices each of a kernel's schedules from the profile:
+what. Extraction (cost.schedule_costs) prices each of a kernel's schedules from the profile:
 work over the threads its outer loop can use, plus the measured fixed cost of a parallel or a
 serial kernel; a read with a stride of a cache line or more costs STRIDED_READ per element, the
 axis-outer order's accumulators ACCUMULATE; an attention tile's two BLAS calls cost a serial

@@ -13,8 +13,11 @@ extracted program is rebuilt, which is where a chain that composes to nothing ca
 
 from __future__ import annotations
 
-from egglog import String, eq, rewrite, rule, ruleset, union, var
+from egglog import EGraph, String, eq, rule, ruleset, set_, union, var
 
+from kiln.ir.ops import Op
+from kiln.ir.view import compose
+from optimizer_svc.encode import Facts
 from optimizer_svc.terms import Term, compose_views, plain_view, viewable
 
 views = ruleset(name="views")
@@ -53,3 +56,35 @@ views.register(
     _push(Term.view(Term.recip(_x), _s), Term.recip(Term.view(_x, _s)), (_x,), plain_view(_s)),
     _push(Term.view(Term.mod(_x, _y), _s), Term.mod(Term.view(_x, _s), Term.view(_y, _s)), (_x, _y), plain_view(_s)),
 )
+
+
+class ViewFacts(Facts):
+    """compose_views: for each view of a view, the one view they compose to (if they do)."""
+
+    def __init__(self, enc):
+        super().__init__(enc)
+        self.composed: set[tuple[str, str]] = set()
+
+    def encode(self, eg, g, i, refs, pool) -> None:
+        n = g.nodes[i]
+        if n.op is Op.VIEW and g.nodes[n.inputs[0]].op is Op.VIEW:
+            self.register_composition(eg, g.nodes[n.inputs[0]].view.key(), n.view.key())
+
+    def see(self, eg, view, n) -> bool:
+        added = False
+        if n["op"] == "Term.view":
+            outer_key = view.literal(n["children"][1])
+            if outer_key in self.enc.specs:
+                for inner_key in view.view_specs(view.eclass(n["children"][0])):
+                    added |= self.register_composition(eg, inner_key, outer_key)
+        return added
+
+    def register_composition(self, eg: EGraph, inner: str, outer: str) -> bool:
+        if (inner, outer) in self.composed:
+            return False
+        self.composed.add((inner, outer))
+        c = compose(self.enc.specs[inner], self.enc.specs[outer])
+        if c is None:
+            return False
+        eg.register(set_(compose_views(inner, outer)).to(String(self.enc.spec_key(c))))
+        return True
