@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from importer_svc import compose as C
+from kiln.ir import compose as C
 from kiln.ir import view as views
 from kiln.ir.builder import GraphBuilder, NodeId
 from kiln.ir.dtypes import DType
@@ -348,12 +348,7 @@ def lower_log_softmax(b, node, x, dim, half_to_float=False):
 def lower_layer_norm(b, node, x, normalized_shape, weight, bias, eps):
     shape = b.shape(x)
     k = len(normalized_shape)
-    axes = list(range(len(shape) - k, len(shape)))
-    mean = C.mean(b, x, axes, True)
-    xc = C.sub(b, x, mean)
-    var = C.mean(b, C.mul(b, xc, xc), axes, True)
-    rstd = b.unary(Op.RECIP, b.unary(Op.SQRT, C.add(b, var, C.scalar(b, var, eps))))
-    y = C.mul(b, xc, rstd)
+    y, mean, rstd = C.layer_norm(b, x, list(range(len(shape) - k, len(shape))), eps)
     if weight is not None:
         y = C.mul(b, y, weight)
     if bias is not None:

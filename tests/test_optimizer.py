@@ -232,7 +232,7 @@ def test_partition_gemm_and_fusion():
     b = GraphBuilder()
     x = b.input("x", (4, 8), DType.F32)
     w = b.weight("w", (8, 5), DType.F32)
-    from importer_svc import compose as C
+    from kiln.ir import compose as C
 
     y = C.matmul(b, x, w)
     z = C.tanh(b, C.add(b, y, b.const(0.5, DType.F32, (4, 5))))

@@ -3,10 +3,11 @@
 Each is a few reductions along one axis read back along that axis by elementwise work; computed
 as one kernel per row (each reduction's loop, then the row's outputs) it reads its input from
 memory once and writes only its result. The rules name the primitive forms the importer lowers
-them to (importer_svc/compose.py, lowerings.py) with `Term.softmax`, `Term.rms_norm` and
+them to (kiln/ir/compose.py, their one definition) with `Term.softmax`, `Term.rms_norm` and
 `Term.layer_norm` e-nodes in the same e-class, so the search can choose them; extraction
-rebuilds the same primitives (the `*_primitives` builders below, which the rules' left-hand
-sides mirror) and marks the row's root with `Node.kernel = "row"` for the partition.
+rebuilds them with the same compose functions (the `*_primitives` below) and marks the row's
+root with `Node.kernel = "row"` for the partition. The rules' left-hand sides are these
+compositions as patterns; tests/unit check each pattern against its composition.
 
 A reduction's result is read back along its axis through a view that broadcasts it there
 (`row_bcast`, filled from Python for the specs the graph contains). RMS norm is
@@ -17,16 +18,13 @@ work on the row's result, fused by the partition like any other.
 
 from __future__ import annotations
 
-import math
-
 from egglog import String, eq, f64, i64, rule, ruleset, union, var
 
-from kiln.ir.ops import Op
+from kiln.ir import compose
 from optimizer_svc.terms import Term, row_bcast
 
 norms = ruleset(name="norms")
 
-LOG2_E = 1.0 / math.log(2.0)
 
 _x, _e, _r = var("x", Term), var("e", Term), var("r", Term)
 _a = var("a", i64)
@@ -53,7 +51,7 @@ def _rstd(x, viewed: bool):
 
 def _exp(max_viewed: bool):
     shifted = Term.add(_x, Term.mul(_back(Term.max_reduce(_x, _a), _s1, max_viewed), _scalar(-1.0, _c1)))
-    return Term.exp2(Term.mul(shifted, _scalar(LOG2_E, _c2)))
+    return Term.exp2(Term.mul(shifted, _scalar(compose.LOG2_E, _c2)))
 
 
 def _softmax(max_viewed: bool, sum_viewed: bool):
@@ -80,32 +78,13 @@ norms.register(
 )
 
 
-def _const(b, x: int, value: float, shape) -> int:
-    return b.const(value, b.dtype(x), shape)
-
-
-def _row_shape(b, x: int, axis: int):
-    return tuple(1 if j == axis else d for j, d in enumerate(b.shape(x)))
-
-
 def softmax_primitives(b, x: int, axis: int) -> int:
-    shape = b.shape(x)
-    m = b.broadcast(x, b.reduce(Op.MAX_REDUCE, x, axis))[1]
-    shifted = b.binary(Op.ADD, x, b.binary(Op.MUL, m, _const(b, x, -1.0, shape)))
-    e = b.unary(Op.EXP2, b.binary(Op.MUL, shifted, _const(b, x, LOG2_E, shape)))
-    r = b.unary(Op.RECIP, b.reduce(Op.SUM_REDUCE, e, axis))
-    return b.binary(Op.MUL, e, b.expand(r, shape), kernel="row")
+    return compose.softmax(b, x, axis, kernel="row")
 
 
 def rms_norm_primitives(b, x: int, axis: int, inv_n: float, eps: float) -> int:
-    row = _row_shape(b, x, axis)
-    mean_sq = b.binary(Op.MUL, b.reduce(Op.SUM_REDUCE, b.binary(Op.MUL, x, x), axis), _const(b, x, inv_n, row))
-    rstd = b.unary(Op.RECIP, b.unary(Op.SQRT, b.binary(Op.ADD, mean_sq, _const(b, x, eps, row))))
-    return b.binary(Op.MUL, x, rstd, kernel="row")  # binary broadcasts rstd back along the row
+    return compose.rms_norm(b, x, [axis], eps, inv_n, kernel="row")
 
 
 def layer_norm_primitives(b, x: int, axis: int, inv_n: float, eps: float) -> int:
-    shape, row = b.shape(x), _row_shape(b, x, axis)
-    mean = b.broadcast(x, b.binary(Op.MUL, b.reduce(Op.SUM_REDUCE, x, axis), _const(b, x, inv_n, row)))[1]
-    centered = b.binary(Op.ADD, x, b.binary(Op.MUL, mean, _const(b, x, -1.0, shape)))
-    return rms_norm_primitives(b, centered, axis, inv_n, eps)
+    return compose.layer_norm(b, x, [axis], eps, inv_n, kernel="row")[0]

@@ -1,6 +1,9 @@
-"""Composite math built from the sixteen primitives, shared by the ATen lowerings.
+"""Composite math built from the sixteen primitives: the one definition of each composition.
 
-Each function takes a GraphBuilder and node ids and returns a node id.
+The importer's ATen lowerings compose with these; the optimizer rebuilds the row kernels it
+recognised (softmax, RMS norm, layer norm) with the same functions, so a program round-trips
+through the search node for node. Each function takes a GraphBuilder and node ids and returns a
+node id; `kernel` marks the root of a row kernel the search chose.
 """
 
 from __future__ import annotations
@@ -184,7 +187,7 @@ def reduce_axes(b, op: Op, x: int, axes, keepdim: bool) -> int:
     return x
 
 
-def mean(b, x, axes, keepdim):
+def mean(b, x, axes, keepdim, inv_n=None):
     shape = b.shape(x)
     rank = len(shape)
     if rank == 0:
@@ -194,14 +197,32 @@ def mean(b, x, axes, keepdim):
     for a in axes_n:
         n = shape[a] * n
     s = reduce_axes(b, Op.SUM_REDUCE, x, axes_n, keepdim)
-    return mul(b, s, scalar(b, s, 1.0 / n))
+    return mul(b, s, scalar(b, s, 1.0 / n if inv_n is None else inv_n))
 
 
-def softmax(b, x, dim):
+def softmax(b, x, dim, kernel: str = ""):
     m = b.reduce(Op.MAX_REDUCE, x, dim)
     e = exp(b, sub(b, x, m))
     s = b.reduce(Op.SUM_REDUCE, e, dim)
-    return mul(b, e, b.expand(b.unary(Op.RECIP, s), b.shape(e)))
+    return b.binary(Op.MUL, e, b.expand(b.unary(Op.RECIP, s), b.shape(e)), kernel=kernel)
+
+
+def rms_norm(b, x, axes, eps: float, inv_n=None, kernel: str = ""):
+    """x * rsqrt(mean(x*x) + eps) over `axes`; `inv_n` (default 1/n) is the mean's scale."""
+    rstd = b.unary(Op.RECIP, b.unary(Op.SQRT, _plus(b, mean(b, mul(b, x, x), axes, True, inv_n), eps)))
+    return b.binary(Op.MUL, x, rstd, kernel=kernel)  # binary broadcasts rstd back along the row
+
+
+def layer_norm(b, x, axes, eps: float, inv_n=None, kernel: str = ""):
+    """(x - mean(x)) * rsqrt(var(x) + eps) over `axes`: (y, mean, rstd)."""
+    m = mean(b, x, axes, True, inv_n)
+    xc = sub(b, x, m)
+    rstd = b.unary(Op.RECIP, b.unary(Op.SQRT, _plus(b, mean(b, mul(b, xc, xc), axes, True, inv_n), eps)))
+    return b.binary(Op.MUL, xc, rstd, kernel=kernel), m, rstd
+
+
+def _plus(b, x, value: float):
+    return add(b, x, scalar(b, x, value))
 
 
 def log_softmax(b, x, dim):
