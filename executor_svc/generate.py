@@ -58,11 +58,6 @@ class Sampling:
             raise InvalidArgument(f"top_p must be in [0, 1], got {self.top_p}")
 
 
-def sampling_from_pb(r) -> Sampling:
-    """A GenerateRequest's sampling parameters."""
-    return Sampling(r.temperature, r.top_k, r.top_p, r.seed)
-
-
 def choose_token(logits: np.ndarray, s: Sampling, rng: Optional[np.random.Generator]) -> int:
     """The next token: the first maximum when greedy; else a draw from the softmax of the
     logits over the temperature, cut to the top k and to the smallest set whose probability

@@ -7,7 +7,7 @@ from kiln.rpc.tensors import array_from_pb, array_to_pb
 from kiln.v1 import services_pb2, services_pb2_grpc
 from executor_svc.calibrate import calibrate, known_profile
 from executor_svc.executor import Executor
-from executor_svc.generate import sampling_from_pb
+from executor_svc.generate import Sampling
 
 
 class ExecutorServicer(services_pb2_grpc.ExecutorServicer):
@@ -56,7 +56,7 @@ class ExecutorServicer(services_pb2_grpc.ExecutorServicer):
     @rpc_stream
     def Generate(self, request, context):
         batcher = self.executor.batcher(Digest.from_pb(request.model))
-        seq = batcher.submit(list(request.prompt_ids), request.max_new_tokens, sampling_from_pb(request),
+        seq = batcher.submit(list(request.prompt_ids), request.max_new_tokens, Sampling(request.temperature, request.top_k, request.top_p, request.seed),
                              tuple(tuple(s.ids) for s in request.stop_sequences), request.ignore_eos)
         # a client that cancels or disconnects frees the sequence at once
         context.add_callback(lambda: batcher.cancel(seq))

@@ -1,4 +1,4 @@
-"""kiln.Pipeline drives the four stages, in process (default) or over gRPC.
+"""kiln.Pipeline drives the four stages (kiln.stages), in process (default) or over gRPC.
 
 Remote mode is chosen per stage by KILN_<STAGE>_ADDR (comma-separated for several replicas,
 balanced round-robin, or one DNS name such as dns:///kiln-optimizer:50052) or by the addresses
@@ -12,25 +12,25 @@ import io
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
 from kiln.cas import cache
 from kiln.core import errors
-from kiln.rpc.client import channel as _channel, call as _call, kiln_error as _kiln_error, retrying as _retrying
 from kiln.cas.digest import Digest
 from codegen_svc.targets import target as target_named
 from kiln.core.limits import CONTENDED
 from kiln.cas.store import BlobStore, open_store
 from kiln.core.telemetry import child_span, setup_tracing, span
 from kiln.ir.dtypes import numpy_to_torch, torch_to_numpy
-from kiln.rpc.tensors import array_from_pb, array_to_pb
+from kiln.stages import STAGES, LocalStages, RemoteStages, Stages, Timing
+from executor_svc.generate import Sampling
+from optimizer_svc.optimizer import OptimizeOptions
 from kiln.v1 import services_pb2
 
 log = logging.getLogger(__name__)
 
-STAGES = ("importer", "optimizer", "codegen", "executor")
 DEFAULT_CANDIDATES = 8  # schedule candidates a compile times on the executor (KILN_CANDIDATES overrides)
 
 
@@ -72,48 +72,10 @@ def _with_launch_shapes(report: services_pb2.OptimizeReport, shapes) -> services
     return out
 
 
-def _stream(method, request, timeout: Optional[float]):
-    """A server stream; a failure before its first message is retried like a unary call."""
-    import grpc
-
-    def first(remaining):
-        call = method(request, timeout=remaining)
-        it = iter(call)
-        try:
-            return call, it, next(it)
-        except StopIteration:
-            return call, it, None
-        except BaseException:
-            (call.cancel if hasattr(call, "cancel") else call.close)()
-            raise
-
-    call, it, head = _retrying(first, timeout)
-    try:
-        if head is None:
-            return
-        yield head.token_id, head.finish_reason
-        for r in it:
-            yield r.token_id, r.finish_reason
-    except grpc.RpcError as e:
-        raise _kiln_error(e) from None
-    finally:  # a caller that stops early frees the sequence on the executor: the call is cancelled
-        # (the tracing interceptor hands back a generator over it; closing that drops the last
-        # reference to the call, which cancels it)
-        (call.cancel if hasattr(call, "cancel") else call.close)()
-
-
-def _local_stream(executor, model: Digest, req, sampling):
-    batcher = executor.batcher(model)
-    seq = batcher.submit(list(req.prompt_ids), req.max_new_tokens, sampling,
-                         tuple(tuple(s.ids) for s in req.stop_sequences), req.ignore_eos)
-    try:
-        for token, _, reason in seq.stream():
-            yield token, reason
-    finally:
-        batcher.cancel(seq)
-
-
 class Pipeline:
+    """Drives the stages: each in process (LocalStages) unless an address is given for it
+    (RemoteStages); the choice is made here, once per stage."""
+
     def __init__(self, store: BlobStore | str | None = None, addresses: Optional[Mapping[str, str]] = None,
                  timeout: Optional[float] = 600.0):
         setup_tracing("kiln-client")
@@ -125,81 +87,43 @@ class Pipeline:
                 addresses[s] = env
         self.addresses = addresses
         self.timeout = timeout
-        self._stubs: dict[str, Any] = {}
-        self._executor = None
+        self._local = LocalStages(self.store)
+        remote = RemoteStages(self.store, addresses, timeout) if addresses else None
+        self._stages: dict[str, Stages] = {s: remote if s in addresses else self._local for s in STAGES}
 
     @property
     def remote(self) -> bool:
         return bool(self.addresses)
 
-    def _stub(self, stage: str):
-        if stage not in self._stubs:
-            from kiln.v1 import services_pb2_grpc
-
-            cls = {"importer": services_pb2_grpc.ImporterStub, "optimizer": services_pb2_grpc.OptimizerStub,
-                   "codegen": services_pb2_grpc.CodegenStub, "executor": services_pb2_grpc.ExecutorStub}[stage]
-            self._stubs[stage] = cls(_channel(self.addresses[stage]))
-        return self._stubs[stage]
-
-    def _local_executor(self):
-        if self._executor is None:
-            from executor_svc.executor import Executor
-
-            self._executor = Executor(self.store)
-        return self._executor
+    def local_executor(self):
+        """The Executor this process runs sessions on when the executor stage is in process."""
+        return self._local.executor
 
     # ---- the four stages ----
 
     def import_program(self, program: Digest) -> tuple[Digest, Digest]:
-        if "importer" in self.addresses:
-            r = _call(self._stub("importer").Import, services_pb2.ImportRequest(program=program.to_pb()), self.timeout)
-            return Digest.from_pb(r.graph), Digest.from_pb(r.manifest)
-        from importer_svc.importer import import_program
-
-        r = import_program(self.store, program)
-        return r.graph, r.manifest
+        return self._stages["importer"].import_program(program)
 
     def optimize(self, graph: Digest, search: bool = True, max_iterations: int = 0, max_enodes: int = 0,
                  time_budget_s: float = 0.0, target_profile: Optional[Digest] = None, candidates: int = 0
                  ) -> tuple[Digest, services_pb2.OptimizeReport]:
-        req = services_pb2.OptimizeRequest(graph=graph.to_pb(), search=search, max_iterations=max_iterations,
-                                           max_enodes=max_enodes, time_budget_s=time_budget_s,
-                                           candidates=candidates)
-        if target_profile is not None:
-            req.target_profile.CopyFrom(target_profile.to_pb())
-        if "optimizer" in self.addresses:
-            r = _call(self._stub("optimizer").Optimize, req, self.timeout)
-            return Digest.from_pb(r.kernel_graph), r.report
-        from optimizer_svc.optimizer import optimize
-        from optimizer_svc.server import options_from_request
-
-        return optimize(self.store, graph, options_from_request(req))
+        """0 for a bound or the candidates: the optimizer's default."""
+        d = OptimizeOptions()
+        options = OptimizeOptions(max_iterations=max_iterations or d.max_iterations,
+                                  max_enodes=max_enodes or d.max_enodes, time_budget_s=time_budget_s or d.time_budget_s,
+                                  search=search, target_profile=target_profile, candidates=candidates or d.candidates)
+        return self._stages["optimizer"].optimize(graph, options)
 
     def emit(self, kernel_graph: Digest, target: str = "cpu", block: int = 0, tile: int = 0
              ) -> tuple[Digest, int, int]:
         """`block` and `tile`: a cuda program's launch shape (0: the defaults)."""
-        if "codegen" in self.addresses:
-            r = _call(self._stub("codegen").Emit,
-                      services_pb2.EmitRequest(kernel_graph=kernel_graph.to_pb(), target=target, block=block,
-                                               tile=tile), self.timeout)
-            return Digest.from_pb(r.bundle), r.kernels, r.peak_bytes
-        from codegen_svc.codegen import emit
-
-        return emit(self.store, kernel_graph, target, None, block, tile)
+        return self._stages["codegen"].emit(kernel_graph, target, block, tile)
 
     def load(self, bundle: Digest, manifest: Digest) -> str:
-        if "executor" in self.addresses:
-            r = _call(self._stub("executor").Load,
-                      services_pb2.LoadRequest(bundle=bundle.to_pb(), manifest=manifest.to_pb()), self.timeout)
-            return r.session
-        return self._local_executor().load(bundle, manifest)
+        return self._stages["executor"].load(bundle, manifest)
 
     def run(self, session: str, inputs: Sequence[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:
-        if "executor" in self.addresses:
-            req = services_pb2.RunRequest(session=session, inputs=[array_to_pb(n, a, self.store) for n, a in inputs])
-            r = _call(self._stub("executor").Run, req, self.timeout)
-            return [(t.name, array_from_pb(t, self.store)) for t in r.outputs]
-        return self._local_executor().run(session, inputs)
+        return self._stages["executor"].run(session, inputs)
 
     def generate(self, model: Digest, prompt_ids: Sequence[int], max_new_tokens: int = 0, *,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0, seed: int = 0,
@@ -208,49 +132,23 @@ class Pipeline:
         they are made: an iterator of (token id, finish reason: "" until the last one, then
         "length", "eos" or "stop"). Errors (a limit: ResourceExhausted) are raised when iteration
         starts, in both modes; closing the iterator early frees the sequence."""
-        req = services_pb2.GenerateRequest(model=model.to_pb(), prompt_ids=list(prompt_ids),
-                                           max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                           top_p=top_p, seed=seed, ignore_eos=ignore_eos,
-                                           stop_sequences=[services_pb2.TokenIds(ids=list(s)) for s in stop_sequences])
-        if "executor" in self.addresses:
-            return _stream(self._stub("executor").Generate, req, self.timeout)
-        from executor_svc.generate import sampling_from_pb
-
-        return _local_stream(self._local_executor(), model, req, sampling_from_pb(req))
+        return self._stages["executor"].generate(model, prompt_ids, max_new_tokens,
+                                                 Sampling(temperature, top_k, top_p, seed), stop_sequences, ignore_eos)
 
     def calibrate(self, target: str = "cpu", force: bool = False) -> tuple[Digest, services_pb2.TargetProfile]:
         """The target's measured cost-model constants (measured once per target fingerprint)."""
-        if "executor" in self.addresses:
-            r = _call(self._stub("executor").Calibrate, services_pb2.CalibrateRequest(target=target, force=force),
-                      self.timeout)
-            return Digest.from_pb(r.profile), r.target_profile
-        from executor_svc.calibrate import calibrate
-
-        d, p, _ = calibrate(self.store, target, force)
-        return d, p
+        return self._stages["executor"].calibrate(target, force)
 
     def known_profile(self, target: str = "cpu") -> Optional[Digest]:
         """The target's calibrated profile if it has been measured already; never measures."""
-        if "executor" in self.addresses:
-            r = _call(self._stub("executor").Calibrate,
-                      services_pb2.CalibrateRequest(target=target, lookup_only=True), self.timeout)
-            return Digest.from_pb(r.profile) if r.HasField("profile") else None
-        from executor_svc.calibrate import known_profile
-
-        known = known_profile(self.store, target)
-        return known[0] if known is not None else None
+        return self._stages["executor"].known_profile(target)
 
     def profile(self, bundles: Sequence[Digest], manifest: Digest, repeats: int = 20,
-                symbols: Optional[dict] = None) -> list[tuple[Digest, float, float, float, float]]:
+                symbols: Optional[dict] = None) -> list[Timing]:
         """Time candidate bundles on the executor: (bundle, median s, min s, relative, others busy)
         each, relative the median over interleaved rounds of its time over the round's fastest,
         others busy the share of the machine other processes took meanwhile (kiln.core.limits.CpuLoad)."""
-        if "executor" in self.addresses:
-            req = services_pb2.ProfileRequest(bundles=[b.to_pb() for b in bundles], manifest=manifest.to_pb(),
-                                              repeats=repeats, symbols=symbols or {})
-            r = _call(self._stub("executor").Profile, req, self.timeout)
-            return [(Digest.from_pb(t.bundle), t.median_s, t.min_s, t.relative, t.others_busy) for t in r.timings]
-        return self._local_executor().profile(bundles, manifest, repeats, symbols)
+        return self._stages["executor"].profile(bundles, manifest, repeats, symbols)
 
     # ---- whole compiles ----
 

@@ -136,7 +136,7 @@ def test_each_timed_run_follows_one_of_its_own(local_pipeline, monkeypatch):
     model, inputs = mlp_example()
     searched = kiln.compile(model, inputs, pipeline=local_pipeline).result
     unsearched = kiln.compile(model, inputs, pipeline=local_pipeline, search=False).result
-    executor = local_pipeline._local_executor()
+    executor = local_pipeline.local_executor()
     events, real_run = [], executor.run_session
     clock = time_module.perf_counter
 

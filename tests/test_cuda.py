@@ -152,7 +152,7 @@ def test_tiny_llama(local_pipeline):
 def test_weights_are_uploaded_once_per_session(local_pipeline):
     model, inputs = mlp_example(seed=3)
     compiled = _cuda(model, inputs, local_pipeline)
-    session = local_pipeline._local_executor().session(compiled.session)
+    session = local_pipeline.local_executor().session(compiled.session)
     # device arrays (the simulator's too) copy back to the host; numpy arrays do not
     assert session.device is not None and all(hasattr(w, "copy_to_host") for w in session.weights)
     before = [id(w) for w in session.weights]

@@ -189,7 +189,7 @@ def test_least_recently_used_session_is_evicted_and_reloads_on_use(local_pipelin
     model, inputs = mlp_example()
     compiled = kiln.compile(model, inputs, pipeline=local_pipeline)
     r = compiled.result
-    executor = local_pipeline._local_executor()
+    executor = local_pipeline.local_executor()
     second = local_pipeline.load(r.bundle, r.manifest)
     compiled(*inputs)  # touches the first session
     third = local_pipeline.load(r.bundle, r.manifest)

@@ -70,7 +70,7 @@ def test_greedy_matches_transformers_for_64_tokens(llama):
         got = list(p.generate(lm, prompt, NEW))
         assert [t for t, _ in got] == _hf(model, prompt), n
         assert [r for _, r in got] == [""] * (NEW - 1) + ["length"]
-    batcher = p._local_executor().batcher(lm)
+    batcher = p.local_executor().batcher(lm)
     assert [id(w) for w in batcher.prefill.weights] == [id(w) for w in batcher.decode.weights]
 
 
@@ -126,7 +126,7 @@ def test_concurrent_requests_share_decode_steps_and_match_running_alone(llama):
     p, model, lm = llama
     prompts = [(_prompt(n, 10 + i), new) for i, (n, new) in enumerate(((3, 40), (17, 24), (1, 33), (30, 48)))]
     alone = [[t for t, _ in p.generate(lm, prompt, new)] for prompt, new in prompts]
-    batcher = p._local_executor().batcher(lm)
+    batcher = p.local_executor().batcher(lm)
     steps, batched = batcher.steps, batcher.batched
     sample = REGISTRY.get_sample_value
     hist = (sample("kiln_executor_batch_size_count") or 0, sample("kiln_executor_batch_size_sum") or 0)
@@ -203,7 +203,7 @@ def test_limits_are_resource_exhausted(llama, monkeypatch):
 
 def test_a_closed_stream_frees_its_sequence_at_once(llama):
     p, model, lm = llama
-    batcher = p._local_executor().batcher(lm)
+    batcher = p.local_executor().batcher(lm)
     stream = p.generate(lm, _prompt(8, 30), 100)
     assert len([next(stream) for _ in range(3)]) == 3
     assert batcher.busy() == 1

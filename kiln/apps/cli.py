@@ -260,7 +260,7 @@ def cmd_profile(args) -> int:
         bundle_d, manifest_d = r.bundle, r.manifest
     else:
         bundle_d, manifest_d = Digest.parse(args.model), Digest.parse(args.manifest)
-    ex = p._local_executor()
+    ex = p.local_executor()
     session = ex.open(bundle_d, manifest_d)
     bundle = p.store.get_message(bundle_d, ir_pb2.Bundle)
     times, whole = kernel_times(session, bundle, args.repeats)
