@@ -59,7 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     import kiln
     from kiln.cas.digest import Digest
-    from kiln.ir.kernel import kernel_graph_from_pb
+    from kiln.ir.serialize import kernel_graph_from_pb
     from kiln.v1 import ir_pb2
 
     pipeline = kiln.Pipeline()

@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=100)
     args = ap.parse_args()
     import kiln
-    from kiln.ir.kernel import kernel_graph_from_pb, kernel_graph_to_pb
+    from kiln.ir.serialize import kernel_graph_from_pb, kernel_graph_to_pb
     from kiln.runtime.vectorwidth import host_widths
     from kiln.v1 import ir_pb2
     from optimizer_svc.cost import predict

@@ -7,8 +7,7 @@ from typing import Optional
 from kiln.cas import cache
 from kiln.cas.digest import Digest
 from kiln.core.errors import InvalidArgument
-from kiln.ir.kernel import kernel_graph_from_pb
-from kiln.ir.serialize import dim_to_pb, dtype_to_pb, graph_to_pb, tensor_spec_to_pb
+from kiln.ir.serialize import bundle_to_pb, kernel_graph_from_pb
 from kiln.cas.store import BlobStore
 from kiln.core.telemetry import current_span, span
 from kiln.v1 import ir_pb2
@@ -37,31 +36,7 @@ def emit(store: BlobStore, kg_d: Digest, target: str = "cpu", deadline: Optional
         with span("codegen.emit", **{"kiln.kernel_graph": str(kg_d), "kiln.target": target}) as s:
             prog = tgt.emit(kg, **launch)
             s.set_attribute("kiln.kernels", len(prog.kernels))
-        g = kg.graph
-        bundle = ir_pb2.Bundle(target=target, module_source=prog.module_source, entry=prog.entry,
-                               kernel_graph=kg_d.to_pb(), output_tree=g.output_tree,
-                               output_names=list(g.output_names))
-        for k in prog.kernels:
-            bundle.kernels.add(name=k.name, kind=k.kind, source=k.source, symbol=k.symbol)
-        for t in g.inputs:
-            tensor_spec_to_pb(t, bundle.inputs.add())
-        for t in prog.outputs:
-            tensor_spec_to_pb(t, bundle.outputs.add())
-        for t in g.weights:
-            tensor_spec_to_pb(t, bundle.weights.add())
-        bundle.weight_names.extend(t.name for t in g.weights)
-        for name, lo, hi in g.symbols:
-            bundle.symbols.add(name=name, min=lo, max=hi)
-        if kg.prepare is not None:
-            bundle.prepare.CopyFrom(graph_to_pb(kg.prepare))
-        for slot in prog.memory.slots:
-            p = bundle.memory.slots.add(slot=slot.slot, dtype=dtype_to_pb(slot.dtype), offset=slot.offset or 0)
-            dim_to_pb(slot.elements, p.elements)
-        for node, slot in prog.memory.node_slot.items():
-            bundle.memory.node_slot[node] = slot
-        bundle.memory.peak_bytes = prog.memory.peak_bytes
-        bundle.memory.arena_bytes = prog.memory.arena_bytes
-        d = store.put_message(bundle)
+        d = store.put_message(bundle_to_pb(target, prog, kg, kg_d))
         current_span().set_attribute("kiln.bundle", str(d))
         cache.record(store, key, {"bundle": d})
         return d, len(prog.kernels), prog.memory.peak_bytes

@@ -19,7 +19,7 @@ from kiln.core.errors import FailedPrecondition, InvalidArgument, KilnError, Not
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph, prune
-from kiln.ir.serialize import dtype_to_pb, graph_to_pb
+from kiln.ir.serialize import graph_to_pb, manifest_to_pb
 from kiln.ir.shape import format_shape, from_sympy
 from kiln.cas.store import BlobStore
 from kiln.core.telemetry import span
@@ -225,12 +225,9 @@ def import_program(store: BlobStore, program: Digest, deadline: Optional[float] 
             with span("importer.lower"):
                 graph, tensors = lower_program(ep)
         with span("importer.upload_weights", **{"kiln.weights": len(tensors)}):
-            manifest = ir_pb2.WeightManifest()
-            for w in graph.weights:
-                t = tensors[w.name]
-                d = store.put(_tensor_bytes(t))
-                manifest.weights.add(name=w.name, dtype=dtype_to_pb(w.dtype), shape=list(t.shape), digest=d.to_pb())
-            manifest_d = store.put_message(manifest)
+            blobs = [(w.name, w.dtype, tensors[w.name].shape, store.put(_tensor_bytes(tensors[w.name])))
+                     for w in graph.weights]
+            manifest_d = store.put_message(manifest_to_pb(blobs))
         graph_d = store.put_message(graph_to_pb(graph))
         cache.record(store, key, {"graph": graph_d, "manifest": manifest_d})
         return ImportResult(graph_d, manifest_d, len(graph.nodes))

@@ -15,7 +15,8 @@ from opentelemetry import context as otel_context
 from kiln.cas import cache
 from kiln.cas.digest import Digest, digest_message
 from kiln.core.errors import DeadlineExceeded, InvalidArgument, KilnError, ResourceExhausted
-from kiln.ir.kernel import KernelGraph, kernel_graph_to_pb
+from kiln.ir.kernel import KernelGraph
+from kiln.ir.serialize import kernel_graph_to_pb
 from kiln.ir.graph import Graph
 from kiln.ir.serialize import graph_from_pb, graph_to_pb
 from kiln.cas.store import BlobStore

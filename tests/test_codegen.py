@@ -13,7 +13,7 @@ from modules import Fn
 
 
 def _kinds(pipeline, compiled):
-    from kiln.ir.kernel import kernel_graph_from_pb
+    from kiln.ir.serialize import kernel_graph_from_pb
     from kiln.v1 import ir_pb2
 
     kg = kernel_graph_from_pb(pipeline.store.get_message(compiled.result.kernel_graph, ir_pb2.KernelGraph))
@@ -67,7 +67,7 @@ def test_out_of_range_index_is_invalid_argument_not_a_bad_read(local_pipeline):
 
 
 def _kernel_graph(pipeline, compiled):
-    from kiln.ir.kernel import kernel_graph_from_pb
+    from kiln.ir.serialize import kernel_graph_from_pb
     from kiln.v1 import ir_pb2
 
     return kernel_graph_from_pb(pipeline.store.get_message(compiled.result.kernel_graph, ir_pb2.KernelGraph))
@@ -120,7 +120,7 @@ def _compile_for(pipeline, fn, args, threads: int, vector_rates: dict[int, float
     search's schedule choices do not depend on this machine) and, if given, these in-cache
     rates per vector width (bits -> Gelem/s; 0: LLVM's own width), one candidate; the compiled
     module and its kernel graph."""
-    from kiln.ir.kernel import kernel_graph_from_pb
+    from kiln.ir.serialize import kernel_graph_from_pb
     from kiln.v1 import services_pb2
 
     profile = services_pb2.TargetProfile(target="cpu", threads=threads, elementwise_gelems=threads * 1.4,
@@ -356,7 +356,7 @@ def test_row_value_read_through_a_transpose_is_not_fused_with_the_wrong_row(loca
     the searched graph (the search names the RMS norm a row kernel) is emitted and run as is,
     and checked against torch."""
     from importer_svc.importer import lower_program
-    from kiln.ir.kernel import kernel_graph_to_pb
+    from kiln.ir.serialize import kernel_graph_to_pb
     from optimizer_svc.partition import partition
     from optimizer_svc.saturate import SearchLimits, saturate
 
@@ -438,7 +438,7 @@ def test_attention_is_one_kernel(local_pipeline, dtype, case):
 
 
 def test_attention_fusion_is_a_schedule_choice(local_pipeline):
-    from kiln.ir.kernel import kernel_graph_from_pb
+    from kiln.ir.serialize import kernel_graph_from_pb
     from optimizer_svc.partition import Schedule, partition
 
     q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)

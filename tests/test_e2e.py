@@ -26,7 +26,7 @@ def test_model_matches_eager(pipeline, example):
 
 
 def test_kernel_graph_fuses_and_finds_gemms(local_pipeline):
-    from kiln.ir.kernel import kernel_graph_from_pb
+    from kiln.ir.serialize import kernel_graph_from_pb
     from kiln.v1 import ir_pb2
 
     model, inputs = mlp_example()
@@ -41,7 +41,7 @@ def test_kernel_graph_fuses_and_finds_gemms(local_pipeline):
 
 
 def test_elementwise_chain_is_one_kernel(local_pipeline):
-    from kiln.ir.kernel import kernel_graph_from_pb
+    from kiln.ir.serialize import kernel_graph_from_pb
     from kiln.v1 import ir_pb2
 
     class Chain(torch.nn.Module):

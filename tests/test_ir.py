@@ -152,7 +152,8 @@ def test_kernel_loop_order_and_tile_roundtrip_and_are_checked():
     malformed kernel graph."""
     import dataclasses
 
-    from kiln.ir.kernel import KernelGraph, kernel_graph_from_pb, kernel_graph_to_pb
+    from kiln.ir.kernel import KernelGraph
+    from kiln.ir.serialize import kernel_graph_from_pb, kernel_graph_to_pb
     from optimizer_svc.partition import partition
 
     kg = partition(_small_graph())

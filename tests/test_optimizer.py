@@ -447,7 +447,8 @@ def test_hoist_moves_weight_only_work_to_prepare():
     """Weight-only work (scaling a weight, then a transpose of the result) leaves the program:
     the program reads the derived weight through the view, the prepare graph computes it, and
     the kernel graph carries prepare through serialization and refuses one that does not match."""
-    from kiln.ir.kernel import KernelGraph, kernel_graph_from_pb, kernel_graph_to_pb
+    from kiln.ir.kernel import KernelGraph
+    from kiln.ir.serialize import kernel_graph_from_pb, kernel_graph_to_pb
     from optimizer_svc.fold import hoist
 
     b = GraphBuilder()
@@ -538,7 +539,7 @@ def test_vector_width_is_a_schedule_priced_by_the_target():
     import dataclasses
 
     from kiln.ir.graph import parse_schedule
-    from kiln.ir.kernel import kernel_graph_from_pb, kernel_graph_to_pb
+    from kiln.ir.serialize import kernel_graph_from_pb, kernel_graph_to_pb
 
     def row_sum(rows):
         b = GraphBuilder()

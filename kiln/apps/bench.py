@@ -106,7 +106,8 @@ def _status_kb(key: str) -> int:
 
 def _gemm_shapes(compiled) -> list[tuple[int, int, int, int]]:
     """(batch, M, N, K) of every GEMM kiln's kernel graph computes (attention kernels hold two)."""
-    from kiln.ir.kernel import gemm_dims, kernel_gemm, kernel_graph_from_pb
+    from kiln.ir.kernel import gemm_dims, kernel_gemm
+    from kiln.ir.serialize import kernel_graph_from_pb
     from kiln.ir.shape import evaluate_dim
     from kiln.v1 import ir_pb2
 

@@ -6,7 +6,7 @@ from google.protobuf.message import DecodeError
 
 from kiln.cas.digest import Digest
 from kiln.core.errors import InvalidArgument
-from kiln.ir.kernel import kernel_graph_from_pb
+from kiln.ir.serialize import kernel_graph_from_pb
 from kiln.ir.serialize import dtype_from_pb, graph_from_pb, tensor_spec_from_pb
 from kiln.ir.shape import format_shape
 from kiln.cas.store import BlobStore

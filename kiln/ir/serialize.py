@@ -1,9 +1,11 @@
-"""Conversion between the IR dataclasses and their protobuf form (the only place that does it)."""
+"""Conversion between the IR's artifacts and their protobuf form (the only place that does it):
+graphs, kernel graphs, weight manifests and bundles, and the dtypes, dims and specs in them."""
 
 from __future__ import annotations
 
 from kiln.ir.dtypes import DType
-from kiln.ir.graph import Graph, Node, TensorSpec
+from kiln.ir.graph import ATTENTION_TILES, GEMM_TILES, VECTOR_WIDTHS, Graph, Node, TensorSpec
+from kiln.ir.kernel import KERNEL_KINDS, Kernel, KernelGraph, check_prepare, gemm_axes, gemm_dims, kernel_gemm
 from kiln.ir.ops import Op
 from kiln.ir.shape import Dim, Sym
 from kiln.ir.view import ViewSpec
@@ -117,3 +119,87 @@ def graph_from_pb(p: ir_pb2.Graph) -> Graph:
               p.output_tree, tuple((s.name, s.min, s.max) for s in p.symbols))
     validate(g)
     return g
+
+
+def kernel_graph_to_pb(kg: KernelGraph, source_graph=None):
+    p = ir_pb2.KernelGraph(graph=graph_to_pb(kg.graph))
+    for k in kg.kernels:
+        p.kernels.add(name=k.name, kind=k.kind, nodes=list(k.nodes), output=k.output, reads=list(k.reads),
+                      parallel=k.parallel, axis=k.axis, scores=max(k.scores, 0), order=k.order,
+                      tile=k.tile, collapse=k.collapse, vector=k.vector)
+    if source_graph is not None:
+        p.source_graph.CopyFrom(source_graph.to_pb())
+    if kg.prepare is not None:
+        p.prepare.CopyFrom(graph_to_pb(kg.prepare))
+    return p
+
+
+def kernel_graph_from_pb(p) -> KernelGraph:
+    g = graph_from_pb(p.graph)
+    kernels = []
+    for k in p.kernels:
+        ids = list(k.nodes) + list(k.reads) + [k.output]
+        if any(not 0 <= i < len(g.nodes) for i in ids) or k.kind not in KERNEL_KINDS:
+            raise ValueError(f"kernel {k.name!r} is malformed (unknown kind or node out of range)")
+        if k.kind == "row" and not 0 <= k.axis < len(g.nodes[k.output].shape):
+            raise ValueError(f"row kernel {k.name!r} has no valid axis")
+        if k.kind == "attention":
+            pv = gemm_axes(g, k.output)
+            if k.scores not in k.nodes or gemm_axes(g, k.scores) is None or pv is None or \
+                    pv.a_root not in k.nodes or not 0 <= k.axis < len(g.nodes[pv.a_root].shape):
+                raise ValueError(f"attention kernel {k.name!r} does not name its two GEMMs and its row axis")
+        if k.order not in ("", "axis-outer") or (k.order and k.kind != "reduce"):
+            raise ValueError(f"kernel {k.name!r} has an unknown loop order {k.order!r} for a {k.kind} kernel")
+        if k.tile and k.tile not in {"attention": ATTENTION_TILES, "gemm": GEMM_TILES}.get(k.kind, ()):
+            raise ValueError(f"kernel {k.name!r}: a tile of {k.tile} rows for a {k.kind} kernel")
+        if k.collapse and (k.kind not in ("reduce", "row") or not k.parallel):
+            raise ValueError(f"kernel {k.name!r}: only a parallel reduce or row kernel collapses its loops")
+        if k.vector and k.vector not in VECTOR_WIDTHS:
+            raise ValueError(f"kernel {k.name!r}: a vector width of {k.vector} bits (known: {VECTOR_WIDTHS})")
+        kernel = Kernel(k.name, k.kind, tuple(k.nodes), k.output, tuple(k.reads), k.parallel, k.axis,
+                        k.scores if k.kind == "attention" else -1, k.order, k.tile, k.collapse, k.vector)
+        if k.tile and k.kind == "gemm" and (kernel_gemm(g, kernel) is None
+                                            or gemm_dims(g, kernel_gemm(g, kernel))[1] != 1):
+            raise ValueError(f"kernel {k.name!r}: a batched GEMM has no tile of rows (one BLAS call per matrix)")
+        kernels.append(kernel)
+    prepare = graph_from_pb(p.prepare) if p.HasField("prepare") else None
+    check_prepare(g, prepare)
+    return KernelGraph(g, tuple(kernels), prepare)
+
+
+def manifest_to_pb(weights) -> ir_pb2.WeightManifest:
+    """A weight manifest from (name, dtype, shape, blob digest) per weight."""
+    m = ir_pb2.WeightManifest()
+    for name, dtype, shape, digest in weights:
+        m.weights.add(name=name, dtype=dtype_to_pb(dtype), shape=list(shape), digest=digest.to_pb())
+    return m
+
+
+def bundle_to_pb(target: str, program, kg: KernelGraph, kg_d) -> ir_pb2.Bundle:
+    """A Bundle: codegen's Program for `target` (its kernels' and entry's source, outputs and
+    memory plan: codegen_svc.program.Program) for the kernel graph kg, stored as kg_d."""
+    g = kg.graph
+    bundle = ir_pb2.Bundle(target=target, module_source=program.module_source, entry=program.entry,
+                           kernel_graph=kg_d.to_pb(), output_tree=g.output_tree, output_names=list(g.output_names))
+    for k in program.kernels:
+        bundle.kernels.add(name=k.name, kind=k.kind, source=k.source, symbol=k.symbol)
+    for t in g.inputs:
+        tensor_spec_to_pb(t, bundle.inputs.add())
+    for t in program.outputs:
+        tensor_spec_to_pb(t, bundle.outputs.add())
+    for t in g.weights:
+        tensor_spec_to_pb(t, bundle.weights.add())
+    bundle.weight_names.extend(t.name for t in g.weights)
+    for name, lo, hi in g.symbols:
+        bundle.symbols.add(name=name, min=lo, max=hi)
+    if kg.prepare is not None:
+        bundle.prepare.CopyFrom(graph_to_pb(kg.prepare))
+    memory = program.memory
+    for slot in memory.slots:
+        p = bundle.memory.slots.add(slot=slot.slot, dtype=dtype_to_pb(slot.dtype), offset=slot.offset or 0)
+        dim_to_pb(slot.elements, p.elements)
+    for node, slot in memory.node_slot.items():
+        bundle.memory.node_slot[node] = slot
+    bundle.memory.peak_bytes = memory.peak_bytes
+    bundle.memory.arena_bytes = memory.arena_bytes
+    return bundle
