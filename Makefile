@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := $(wildcard protos/kiln/v1/*.proto)
 
-.PHONY: run test setup proto clean
+.PHONY: run test test-unit setup proto clean
 
 setup: $(VENV)/.installed kiln/v1/.generated
 
@@ -30,8 +30,14 @@ CHROMIUM := /usr/bin/chromium
 $(CHROMIUM):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 
+# every tier: tests/unit (no servers), tests/stages, tests/system (farm, load, hostile input, deploy)
 test: setup $(CHROMIUM)
 	$(PY) -m pytest -q tests
+
+# the fast loop: no servers, no S3, a few minutes (the optimizer's property test draws 100 random
+# graphs instead of the full suite's 500)
+test-unit: setup
+	KILN_PROPERTY_EXAMPLES=100 $(PY) -m pytest -q tests/unit
 
 clean:
 	rm -rf kiln/v1 .pytest_cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tempfile
 import uuid
@@ -110,3 +111,93 @@ def local_pipeline(tmp_path):
 @pytest.fixture(params=["local", "remote"])
 def pipeline(request):
     return request.getfixturevalue(f"{request.param}_pipeline")
+
+
+class ServeProcess:
+    """A `kiln serve ...` process started by a fixture below; ready once it printed where it serves."""
+
+    def __init__(self, args, env: dict):
+        self.proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", *args], env={**os.environ, **env},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.first_line = self.proc.stdout.readline()
+        if " serving on " not in self.first_line:
+            rest = self.proc.stdout.read() if self.proc.poll() is not None else ""
+            self.stop()
+            raise AssertionError(f"kiln serve {' '.join(args)} did not start: {self.first_line}{rest}")
+        self.addr = self.first_line.split(" serving on ")[1].split()[0]
+        self.pid = self.proc.pid
+
+    def readline(self) -> str:
+        return self.proc.stdout.readline()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _serve_factory():
+    started: list[ServeProcess] = []
+
+    def serve(*args: str, env: dict | None = None) -> ServeProcess:
+        p = ServeProcess(args, env or {})
+        started.append(p)
+        return p
+
+    return serve, started
+
+
+@pytest.fixture
+def kiln_serve():
+    """Start `kiln serve ARGS` processes (stopped after the test): kiln_serve("all", "--port", "0")."""
+    serve, started = _serve_factory()
+    yield serve
+    for p in started:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def kiln_serve_module():
+    """kiln_serve for a module's worth of tests."""
+    serve, started = _serve_factory()
+    yield serve
+    for p in started:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def farm(s3, tmp_path_factory):
+    """`kiln farm up` on loopback: 1 importer, 3 optimizers, 2 codegens, 2 executors over the
+    session's SeaweedFS, traces to the farm's own file; down (every replica gone) afterwards."""
+    from helpers import FARM_LEASE_TTL_S
+    from kiln.apps import farm as farm_mod
+
+    d = tmp_path_factory.mktemp("farm")
+    env = dict(os.environ)
+    env.update(s3.env(f"kiln-farm-{uuid.uuid4().hex[:8]}"))
+    env.update({"KILN_LEASE_TTL_S": str(FARM_LEASE_TTL_S), "OTEL_BSP_SCHEDULE_DELAY": "100",
+                "KILN_TRACE_FILE": str(d / "traces.jsonl")})
+    f = farm_mod.up({"importer": 1, "optimizer": 3, "codegen": 2, "executor": 2}, d, env)
+    yield f
+    farm_mod.down(d)
+    assert not any(farm_mod._alive(r.pid) for r in f.replicas)
+
+
+@pytest.fixture(scope="module")
+def executor_server(store_dir):
+    """A real Executor gRPC server on loopback over the requesting module's `store_dir`, and its servicer."""
+    from executor_svc.server import ExecutorServicer
+    from kiln.cas.store import FileStore
+    from kiln.rpc.server import build_server
+
+    servicer = ExecutorServicer(FileStore(store_dir))
+    server, port = build_server([(servicer.add_to_server, servicer.SERVICE_NAME)], 0)
+    yield f"127.0.0.1:{port}", servicer
+    server.stop(0)

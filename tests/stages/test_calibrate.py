@@ -220,7 +220,7 @@ def test_prediction_prices_gemm_and_attention_tiles():
     from optimizer_svc.partition import partition
     from optimizer_svc.cost import GEMM_PACK, STRIDED_READ
     from optimizer_svc.saturate import SearchLimits, saturate
-    from modules import Fn
+    from helpers import Fn
 
     profile = services_pb2.TargetProfile(target="cpu", threads=2, elementwise_gelems=2.0, bandwidth_gbs=1000.0,
                                          kernel_overhead_us=2.0, serial_overhead_us=0.25)
@@ -258,7 +258,7 @@ def test_prediction_prices_an_epilogue_at_the_in_cache_rate():
     from optimizer_svc.cost import predict
     from optimizer_svc.partition import Schedule, partition
     from optimizer_svc.saturate import SearchLimits, saturate
-    from modules import Fn
+    from helpers import Fn
 
     w, bias = torch.randn(256, 1024), torch.randn(1024)
     g, _ = lower_program(torch.export.export(Fn(lambda x: torch.relu(x @ w + bias)), (torch.randn(512, 256),)))

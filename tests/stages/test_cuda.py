@@ -17,7 +17,7 @@ from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.serialize import graph_to_pb
 from kiln.v1 import ir_pb2
-from modules import Fn
+from helpers import Fn
 
 TOL = dict(rtol=1e-4, atol=1e-5)  # the CPU target's
 

@@ -1,25 +1,14 @@
 """The command line: compile / run / show on a .pt2, and `kiln serve all` on one port."""
 
 import json
-import os
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import kiln_cli
 from kiln.apps.examples import mlp_example
 from kiln.apps.s3local import free_port
-
-
-def kiln_cli(*args, env=None, check=True):
-    r = subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True,
-                       env={**os.environ, **(env or {})}, timeout=600)
-    if check and r.returncode != 0:
-        raise AssertionError(f"kiln {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    return r
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +48,7 @@ def test_show_unknown_digest_fails_clearly(compiled_mlp):
     assert r.returncode == 1 and "NOT_FOUND" in r.stderr
 
 
-def test_serve_all_on_one_port(s3):
+def test_serve_all_on_one_port(s3, kiln_serve):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     import grpc
 
@@ -67,22 +56,14 @@ def test_serve_all_on_one_port(s3):
     from kiln.pipeline import Pipeline
 
     port = free_port()
-    env = {**os.environ, **s3.env("kiln-tests/serve-all")}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "all", "--port", str(port)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = kiln_serve("all", "--port", str(port), env=s3.env("kiln-tests/serve-all"))
     try:
         addr = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with grpc.insecure_channel(addr) as ch:
-                    health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kiln.v1.Executor"),
-                                                         timeout=2)
-                break
-            except grpc.RpcError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise AssertionError(f"server did not come up: {proc.stdout.read() if proc.poll() is not None else ''}")
-                time.sleep(0.5)
+        assert server.addr == addr
+        with grpc.insecure_channel(addr) as ch:
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kiln.v1.Executor"),
+                                                          timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
         from kiln.cas.store import S3Store
         from kiln.apps.s3local import ACCESS_KEY, SECRET_KEY
 
@@ -92,8 +73,7 @@ def test_serve_all_on_one_port(s3):
         compiled = kiln.compile(model, inputs, pipeline=p)
         assert torch.allclose(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop()
 
 
 def test_ops_lists_needs_and_missing(tmp_path):

@@ -12,6 +12,7 @@ flip a branch and turn a few ulp into a wrong-looking answer.
 """
 
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -101,10 +102,12 @@ def frozen_heap():
     gc.unfreeze()
 
 
+# random graphs per run: `make test` (and CI) 500; `make test-unit`, the fast loop, sets fewer
+EXAMPLES = int(os.environ.get("KILN_PROPERTY_EXAMPLES", "500"))
 step = st.tuples(st.sampled_from(STEPS), st.integers(0, 30), st.integers(0, 30), st.integers(0, 30))
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=st.lists(step, min_size=1, max_size=12), seed=st.integers(0, 2**16))
 def test_optimized_graph_matches_unoptimized(steps, seed):
     g = build(steps)

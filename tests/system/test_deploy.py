@@ -12,7 +12,7 @@ import yaml
 
 from kiln.apps.cli import build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 STAGES = ("importer", "optimizer", "codegen", "executor")
 POOL = {"importer": "cpu", "optimizer": "cpu", "codegen": "gpu", "executor": "gpu"}

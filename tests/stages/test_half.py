@@ -21,7 +21,7 @@ import torch
 import kiln
 from kiln.apps.examples import MLP, SmallResNet
 from kiln.hf import ModelOutputTensor
-from test_hf import _bert, _llama
+from helpers import bert as _bert, llama as _llama
 
 MANTISSA = {torch.float16: 10, torch.bfloat16: 7}
 

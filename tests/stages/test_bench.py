@@ -3,7 +3,7 @@
 import json
 import math
 
-from test_cli import kiln_cli
+from helpers import kiln_cli
 
 
 def test_bench_mlp_writes_json_and_chart(tmp_path):

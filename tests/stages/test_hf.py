@@ -12,34 +12,8 @@ import torch
 import kiln
 
 
+from helpers import bert as _bert, gpt2 as _gpt2, llama as _llama
 from kiln.hf import ModelOutputTensor as Logits
-
-
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    ids = torch.randint(0, 100, (2, 7))
-    return LlamaForCausalLM(cfg), {"input_ids": ids}
-
-
-def _gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64)
-    return GPT2LMHeadModel(cfg), {"input_ids": torch.randint(0, 100, (2, 7))}
-
-
-def _bert():
-    from transformers import BertConfig, BertModel
-
-    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=64)
-    ids = torch.randint(0, 100, (2, 7))
-    mask = torch.ones_like(ids)
-    mask[1, 5:] = 0  # padding in the second sequence
-    return BertModel(cfg), {"input_ids": ids, "attention_mask": mask, "token_type_ids": (ids % 2)}
 
 
 @pytest.mark.parametrize("build", [_llama, _gpt2, _bert], ids=["llama", "gpt2", "bert"])

@@ -20,31 +20,9 @@ from kiln.apps import farm as farm_mod
 from kiln.apps import trace_view
 from kiln.core.errors import FailedPrecondition, Unavailable
 from kiln.apps.examples import Encoder, mlp_example
-from kiln.apps.s3local import SeaweedS3
 from kiln.cas.store import S3Store
 from kiln.core.telemetry import read_spans
 
-LEASE_TTL_S = 3  # a killed replica's lease is taken over after this
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    server = SeaweedS3().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def farm(s3_server, tmp_path_factory):
-    d = tmp_path_factory.mktemp("farm")
-    env = dict(os.environ)
-    env.update(s3_server.env("kiln-farm-tests"))
-    env.update({"KILN_LEASE_TTL_S": str(LEASE_TTL_S), "OTEL_BSP_SCHEDULE_DELAY": "100",
-                "KILN_TRACE_FILE": str(d / "traces.jsonl")})
-    f = farm_mod.up({"importer": 1, "optimizer": 3, "codegen": 2, "executor": 2}, d, env)
-    yield f
-    farm_mod.down(d)
-    assert not any(farm_mod._alive(r.pid) for r in f.replicas)
 
 
 def pipeline_for(f, stages=None, timeout=600.0, **addresses):
@@ -163,19 +141,19 @@ def test_two_clients_compiling_one_model_at_once_do_the_work_once(farm):
     assert np.allclose(out, model(*inputs).detach().numpy(), rtol=1e-4, atol=1e-5)
 
 
-def test_s3_outage_is_unavailable_then_recovers_with_no_corrupt_blob(farm, s3_server):
+def test_s3_outage_is_unavailable_then_recovers_with_no_corrupt_blob(farm, s3):
     model, inputs = mlp_example(seed=7)
     compiled = kiln.compile(model, inputs, pipeline=pipeline_for(farm), candidates=1)
     r = compiled.result
     p = pipeline_for(farm, timeout=4.0)
-    s3_server.stop(remove=False)
+    s3.stop(remove=False)  # the session's SeaweedFS, started again below with its data
     try:
         with pytest.raises(Unavailable, match="unreachable"):
             p.load(r.bundle, r.manifest)
         with pytest.raises(Unavailable, match="unreachable"):
             p.optimize(r.graph, candidates=1, max_iterations=3)
     finally:
-        s3_server.start()
+        s3.start()
     sid = p.load(r.bundle, r.manifest)
     out = p.run(sid, [("x", inputs[0].numpy())])[0][1]
     assert np.allclose(out, model(*inputs).detach().numpy(), rtol=1e-4, atol=1e-5)

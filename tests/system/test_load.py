@@ -10,11 +10,13 @@ import torch
 import kiln
 from kiln.apps.examples import Encoder
 from kiln.apps.loadtest import concurrent_compiles, distinct_mlps, run_load
-from test_hostile import STAGES, Server
+from helpers import STAGES, Server
+from kiln.cas.store import FileStore
 
 
-def test_32_clients_on_run_for_60_s_then_8_concurrent_compiles(tmp_path):
-    s = Server(tmp_path)
+def test_32_clients_on_run_for_60_s_then_8_concurrent_compiles(tmp_path, kiln_serve):
+    s = Server(kiln_serve("all", "--port", "0", env={"KILN_STORE": f"file://{tmp_path / 'store'}"}),
+               FileStore(tmp_path / "store"))
     try:
         torch.manual_seed(0)
         model, x = Encoder().eval(), torch.randn(2, 16, 64)
@@ -22,13 +24,13 @@ def test_32_clients_on_run_for_60_s_then_8_concurrent_compiles(tmp_path):
         with torch.no_grad():
             expected = model(x).numpy()
         r = run_load(s.addr, compiled.session, [("x", x.numpy())], [expected], clients=32, seconds=60,
-                     server_pid=s.proc.pid)
+                     server_pid=s.process.pid)
         print(r.summary())
         assert r.errors == {} and r.wrong_outputs == 0
         assert r.calls > 32
         assert r.rss_growth < 0.05, r.rss_mb
         results = concurrent_compiles({st: s.addr for st in STAGES}, s.store, distinct_mlps(8))
         assert len(results) == 8 and all(err <= 1e-4 for _, err in results)
-        assert s.proc.poll() is None
+        assert s.process.alive()
     finally:
-        s.stop()
+        s.close()

@@ -10,7 +10,7 @@ from torch.export import Dim
 import kiln
 from kiln.core.errors import InvalidArgument
 from kiln.apps.examples import encoder_example, mlp_example
-from modules import Fn
+from helpers import Fn
 
 
 def test_encoder_with_symbolic_batch_and_seq(local_pipeline):
@@ -47,7 +47,7 @@ def test_out_of_range_and_inconsistent_shapes_are_invalid_argument(local_pipelin
 def test_a_dims_size_used_as_a_value(local_pipeline):
     """A symbolic dim's size used in arithmetic (x + len(x), positions counted from it) is the
     size bound at run time, not a constant of the example's."""
-    from modules import Fn
+    from helpers import Fn
 
     fn = lambda x: x * x.shape[0] + torch.arange(x.shape[0], dtype=torch.float32)[:, None]  # noqa: E731
     compiled = kiln.compile(Fn(fn), (torch.randn(5, 3),), pipeline=local_pipeline,

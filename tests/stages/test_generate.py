@@ -211,19 +211,6 @@ def test_a_closed_stream_frees_its_sequence_at_once(llama):
     assert batcher.busy() == 0
 
 
-@pytest.fixture(scope="module")
-def executor_server(store_dir):
-    """A real Executor gRPC server on loopback over the module's store, and its servicer."""
-    from executor_svc.server import ExecutorServicer
-    from kiln.rpc.server import build_server
-    from kiln.cas.store import FileStore
-
-    servicer = ExecutorServicer(FileStore(store_dir))
-    server, port = build_server([(servicer.add_to_server, servicer.SERVICE_NAME)], 0)
-    yield f"127.0.0.1:{port}", servicer
-    server.stop(0)
-
-
 def test_generate_over_grpc_streams_and_cancels(llama, executor_server):
     """Executor.Generate over gRPC streams the same tokens as in process; a client that cancels
     frees its slot on the server; a limit is RESOURCE_EXHAUSTED, an unknown model NOT_FOUND."""

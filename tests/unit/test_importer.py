@@ -13,7 +13,7 @@ from kiln.core.errors import FailedPrecondition
 from kiln.ir.evaluate import evaluate
 from kiln.pipeline import Pipeline
 from kiln.v1 import ir_pb2
-from modules import Fn
+from helpers import Fn
 
 aten = torch.ops.aten
 

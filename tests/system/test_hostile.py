@@ -4,10 +4,6 @@ Then a hypothesis fuzz sends random bytes and well-typed but wrong messages to e
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -22,9 +18,9 @@ import kiln.apps.examples
 from kiln.cas.digest import Digest
 from kiln.cas.store import FileStore
 from kiln.rpc.tensors import array_from_pb, array_to_pb
-from kiln.v1 import ir_pb2, services_pb2, services_pb2_grpc
+from kiln.v1 import ir_pb2, services_pb2
+from helpers import Server
 
-STAGES = ("importer", "optimizer", "codegen", "executor")
 # every RPC: (full method name, request type, server-streaming)
 METHODS = [(f"/kiln.v1.{svc.name}/{m.name}", m.input_type._concrete_class, m.server_streaming)
            for svc in services_pb2.DESCRIPTOR.services_by_name.values() for m in svc.methods]
@@ -44,41 +40,11 @@ class TinyNet(torch.nn.Module):
         return torch.softmax(self.norm(torch.relu(self.a(x))), dim=-1) + torch.sigmoid(x).sum(-1, keepdim=True)
 
 
-class Server:
-    def __init__(self, root: Path, **env):
-        self.store = FileStore(root / "store")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kiln", "serve", "all", "--port", "0"],
-            env={**os.environ, "KILN_STORE": f"file://{root / 'store'}", **env},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        line = self.proc.stdout.readline()
-        assert " serving on " in line, line + (self.proc.stdout.read() if self.proc.poll() is not None else "")
-        self.addr = line.split(" serving on ")[1].split()[0]
-        self.channel = grpc.insecure_channel(self.addr, options=[("grpc.max_send_message_length", 256 << 20)])
-        self.executor = services_pb2_grpc.ExecutorStub(self.channel)
-        self.optimizer = services_pb2_grpc.OptimizerStub(self.channel)
-
-    def pipeline(self) -> kiln.Pipeline:
-        return kiln.Pipeline(self.store, {s: self.addr for s in STAGES})
-
-    def code(self, method, request, timeout: float = 60) -> grpc.StatusCode:
-        try:
-            r = method(request, timeout=timeout)
-            if hasattr(r, "__next__"):
-                list(r)
-        except grpc.RpcError as e:
-            return e.code()
-        return grpc.StatusCode.OK
-
-    def stop(self) -> None:
-        self.channel.close()
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("hostile"))
+def server(tmp_path_factory, kiln_serve_module):
+    root = tmp_path_factory.mktemp("hostile")
+    s = Server(kiln_serve_module("all", "--port", "0", env={"KILN_STORE": f"file://{root / 'store'}"}),
+               FileStore(root / "store"))
     torch.manual_seed(0)
     model, x = TinyNet().eval(), torch.randn(3, 12)
     s.compiled = kiln.compile(model, (x,), pipeline=s.pipeline())
@@ -87,12 +53,12 @@ def server(tmp_path_factory):
     REAL["digests"] = [d.to_pb() for d in (r.graph, r.manifest, r.kernel_graph, r.bundle)]
     REAL["sessions"] = [s.compiled.session]
     yield s
-    s.stop()
+    s.close()
 
 
 def assert_serving(s: Server) -> None:
     """The process lives, reports SERVING, and a real Run still matches torch."""
-    assert s.proc.poll() is None, "the server died"
+    assert s.process.alive(), "the server died"
     health = health_pb2_grpc.HealthStub(s.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     r = s.executor.Run(services_pb2.RunRequest(session=s.compiled.session,
@@ -252,9 +218,11 @@ def test_search_bounds_over_the_caps_are_resource_exhausted(server):
     assert_serving(server)
 
 
-def test_memory_caps_per_search_and_per_session(tmp_path):
+def test_memory_caps_per_search_and_per_session(tmp_path, kiln_serve):
     """A server with a 1 MiB search memory cap and a 64 KiB session budget refuses both, and serves on."""
-    s = Server(tmp_path, KILN_OPTIMIZE_MEMORY_MB="1", KILN_SESSION_MEMORY_MB="0.0625")
+    s = Server(kiln_serve("all", "--port", "0", env={"KILN_STORE": f"file://{tmp_path / 'store'}",
+                                                     "KILN_OPTIMIZE_MEMORY_MB": "1", "KILN_SESSION_MEMORY_MB": "0.0625"}),
+               FileStore(tmp_path / "store"))
     try:
         torch.manual_seed(0)
         ep = torch.export.export(kiln.apps.examples.Encoder().eval(), (torch.randn(2, 16, 64),))
@@ -264,11 +232,11 @@ def test_memory_caps_per_search_and_per_session(tmp_path):
         r = p.compile_program(p.upload_program(ep), search=False)  # no search: no e-graph
         with pytest.raises(kiln.core.errors.ResourceExhausted, match="KILN_SESSION_MEMORY_MB"):
             p.load(r.bundle, r.manifest)
-        assert s.proc.poll() is None
+        assert s.process.alive()
         health = health_pb2_grpc.HealthStub(s.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
     finally:
-        s.stop()
+        s.close()
 
 
 # ---- fuzz ----

@@ -3,9 +3,6 @@ e-graph sizes, read over HTTP from a server process of its own (so every count i
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import urllib.request
 
 import grpc
@@ -30,17 +27,13 @@ def value(samples, name: str, **labels) -> float:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, kiln_serve_module):
     d = tmp_path_factory.mktemp("metrics")
-    env = {**os.environ, "KILN_STORE": f"file://{d / 'store'}", "KILN_CANDIDATES": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "all", "--port", "0", "--metrics-port", "0"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    serving = proc.stdout.readline()
-    metrics = proc.stdout.readline()
-    assert " serving on " in serving and "/metrics" in metrics, serving + metrics
-    yield serving.split(" serving on ")[1].split()[0], metrics.split(" metrics on ")[1].strip(), f"file://{d / 'store'}"
-    proc.terminate()
-    proc.wait(timeout=30)
+    process = kiln_serve_module("all", "--port", "0", "--metrics-port", "0",
+                                env={"KILN_STORE": f"file://{d / 'store'}", "KILN_CANDIDATES": "1"})
+    metrics = process.readline()
+    assert "/metrics" in metrics, process.first_line + metrics
+    return process.addr, metrics.split(" metrics on ")[1].strip(), f"file://{d / 'store'}"
 
 
 def test_rpc_counts_latency_cache_ratio_and_egraph_sizes(server):

@@ -36,7 +36,7 @@ def test_unlowerable_graph_raises_clearly():
 def test_torch_compile_with_kiln_on_llama_and_cnn(which):
     from kiln.apps.examples import SmallResNet
     from kiln.hf import ModelOutputTensor
-    from test_hf import _llama
+    from helpers import llama as _llama
 
     torch._dynamo.reset()
     torch.manual_seed(0)

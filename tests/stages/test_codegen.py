@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import kiln
 from codegen_svc.targets.cpu.rows import ONLINE_SOFTMAX_MIN_ROW
 from kiln.v1 import ir_pb2
-from modules import Fn
+from helpers import Fn
 
 
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import subprocess
-import sys
 
 import grpc
 import numpy as np
@@ -159,22 +157,14 @@ def test_incomplete_or_unreadable_settings_are_refused_with_the_setting_named(pk
         AuthConfig.from_env({"KILN_TLS_CLIENT_CA": str(pki / "ca.pem")})
 
 
-def test_kiln_serve_flags_turn_tls_and_tokens_on(pki, tmp_path):
-    env = {**os.environ, "KILN_STORE": f"file://{tmp_path / 'store'}"}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "executor", "--port", "0",
-                             "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
-                             "--auth-token-file", str(pki / "tokens")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert "(TLS, bearer token)" in line, line
-        addr = line.split(" serving on ")[1].split()[0]
-        ca = _read(pki, "ca.pem")
-        assert _run_unknown_session(addr, AuthConfig(ca=ca)) == grpc.StatusCode.UNAUTHENTICATED
-        assert _run_unknown_session(addr, AuthConfig(ca=ca, tokens=(TOKEN,))) == grpc.StatusCode.NOT_FOUND
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+def test_kiln_serve_flags_turn_tls_and_tokens_on(pki, tmp_path, kiln_serve):
+    server = kiln_serve("executor", "--port", "0", "--tls-cert", str(pki / "server.pem"), "--tls-key",
+                        str(pki / "server.key"), "--auth-token-file", str(pki / "tokens"),
+                        env={"KILN_STORE": f"file://{tmp_path / 'store'}"})
+    assert "(TLS, bearer token)" in server.first_line, server.first_line
+    ca = _read(pki, "ca.pem")
+    assert _run_unknown_session(server.addr, AuthConfig(ca=ca)) == grpc.StatusCode.UNAUTHENTICATED
+    assert _run_unknown_session(server.addr, AuthConfig(ca=ca, tokens=(TOKEN,))) == grpc.StatusCode.NOT_FOUND
 
 
 def test_s3_credentials_never_reach_a_span_or_a_log(s3, services, span_exporter):
