@@ -46,7 +46,11 @@ class CpuLoad:
         self._start = (time.monotonic(), _busy_seconds(), _own_seconds())  # not the timings' clock
 
     def others_busy(self) -> float:
-        """Others' share of all CPUs' time since construction, 0..1; 0 where /proc/stat is missing.
+        """Others' share of all CPUs' time since construction, 0..1; 0 where /proc/stat is missing."""
+        return min(1.0, max(0.0, self.others_share()))
+
+    def others_share(self) -> float:
+        """others_busy before it is clamped to 0..1 (a share far outside says the counting is off).
         /proc/stat counts whole clock ticks per CPU, so two ticks per CPU are taken off first:
         over a few milliseconds the count says nothing."""
         wall0, busy0, own0 = self._start
@@ -54,7 +58,7 @@ class CpuLoad:
         if busy is None or busy0 is None or wall <= 0:
             return 0.0
         others = busy - busy0 - (_own_seconds() - own0) - 2 * cpus / os.sysconf("SC_CLK_TCK")
-        return min(1.0, max(0.0, others / (wall * cpus)))
+        return others / (wall * cpus)
 
 
 def _busy_seconds() -> Optional[float]:

@@ -41,7 +41,6 @@ def test_candidates_are_timed_and_the_fastest_is_kept(pipeline):
     # the choice is made once: a second compile reads it from the action cache, unless other
     # processes took over CONTENDED of the CPUs while it was timed: then it is timed again
     again = kiln.compile(model, (x,), pipeline=pipeline, candidates=8)
-    assert 0 <= report.others_busy <= 1
     if report.others_busy <= CONTENDED:
         assert again.result.report == report and again.result.bundle == compiled.result.bundle
     else:
@@ -87,12 +86,14 @@ def test_cpu_load_sees_other_processes():
         end = time.perf_counter() + 1.5
         while time.perf_counter() < end:
             sum(range(1000))
-        busy = load.others_busy()
+        share = load.others_share()
     finally:
         for p in spinners:
             p.kill()
             p.wait()
-    assert CONTENDED < busy <= 1, busy
+    # unclamped: well over CONTENDED, and not over the whole machine (a tick's slack) -- more
+    # would mean this process's own time was counted as others'
+    assert CONTENDED < share <= 1.05, share
 
 
 def test_one_candidate_is_the_cost_models_pick_untimed(local_pipeline, monkeypatch):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import kiln
 from codegen_svc.targets.cpu.rows import ONLINE_SOFTMAX_MIN_ROW
 from kiln.v1 import ir_pb2
-from helpers import Fn
+from helpers import Fn, pairs
 
 
 
@@ -51,7 +51,7 @@ def test_nan_and_inf_propagate_as_torch(local_pipeline):
 
     x = torch.tensor([0.0, -0.0, 1.0, float("inf"), -float("inf"), float("nan"), 100.0, -100.0])
     compiled = kiln.compile(Fn(fn), (x,), pipeline=local_pipeline)
-    for got, want in zip(compiled(x), fn(x)):
+    for got, want in pairs(compiled(x), fn(x)):
         assert torch.allclose(got, want, equal_nan=True, rtol=1e-5, atol=1e-6), (got, want)
 
 
@@ -171,7 +171,7 @@ def test_reduction_in_axis_outer_order_matches(local_pipeline, dtype):
     bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
     assert all("acc = np.empty(48, dtype=np.float32)" in k.source for k in bundle.kernels if k.kind == "reduce")
     tol = 1e-5 if dtype is torch.float32 else 1e-2
-    for got, want in zip(compiled(x), fn(x)):
+    for got, want in pairs(compiled(x), fn(x)):
         assert got.dtype == want.dtype
         assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol, equal_nan=True)
         assert torch.isnan(got[3, 5]) and torch.isnan(got).sum() == 1
@@ -188,7 +188,7 @@ def test_collapsed_parallel_loops_match(local_pipeline):
     assert sorted(collapsed) == ["reduce", "row"], [(k.kind, k.parallel, k.collapse) for k in kg.kernels]
     bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
     assert all("for fi in prange(96)" in k.source for k in bundle.kernels if k.kind in ("row", "reduce"))
-    for got, want in zip(compiled(x), fn(x)):
+    for got, want in pairs(compiled(x), fn(x)):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -310,7 +310,7 @@ def test_softmax_and_norms_are_one_row_kernel_each(local_pipeline, dtype):
     assert loops == [1, 2, 2], loops
     tol = 1e-5 if dtype is torch.float32 else 2e-2  # bf16: output rounding (8 bits)
     with torch.no_grad():
-        for got, ref in zip(compiled(x, y, mask), m(x, y, mask)):
+        for got, ref in pairs(compiled(x, y, mask), m(x, y, mask)):
             assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol, equal_nan=True)
     s = compiled(x, y, mask)[0]
     assert torch.isnan(s[1, 2]).all() and (s[0, :, 10:] == 0).all()
@@ -331,7 +331,7 @@ def test_searched_vector_width_compiles_and_matches(local_pipeline):
     sources = [k.source for k in bundle.kernels if k.kind == "row"]
     assert all("pipeline_class=_vector_pipeline(512)" in src for src in sources)
     with torch.no_grad():
-        for got, ref in zip(compiled(*args), m(*args)):
+        for got, ref in pairs(compiled(*args), m(*args)):
             assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
     flat = {0: 24.0, 128: 12.0, 256: 24.0, 512: 20.0}
     _, kg = _compile_for(local_pipeline, m, args, threads=2, vector_rates=flat)
@@ -501,7 +501,7 @@ def test_output_reshaping_an_intermediate_is_written_in_place(local_pipeline):
     assert kinds.count("gemm") == 1 and kinds.count("elementwise") == 1, kinds  # one copy left, not two
     calls = [line.strip() for line in bundle.module_source.splitlines() if "_gemm" in line and "(" in line]
     assert calls and calls[0].split("(")[1].startswith("o"), calls  # the GEMM writes an output buffer
-    for got, ref in zip(compiled(x), fn(x)):
+    for got, ref in pairs(compiled(x), fn(x)):
         assert got.shape == ref.shape and torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -17,7 +17,7 @@ from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.serialize import graph_to_pb
 from kiln.v1 import ir_pb2
-from helpers import Fn
+from helpers import Fn, pairs
 
 TOL = dict(rtol=1e-4, atol=1e-5)  # the CPU target's
 
@@ -45,7 +45,7 @@ def test_elementwise_gather_gemm_reduce_kernels(local_pipeline):
     x[1, 2, 1] = float("nan")
     compiled = _cuda(Fn(fn), (ids, table, w, x), local_pipeline)
     assert {"gather", "gemm", "elementwise", "reduce"} <= set(_kinds(local_pipeline, compiled))
-    for got, want in zip(compiled(ids, table, w, x), fn(ids, table, w, x)):
+    for got, want in pairs(compiled(ids, table, w, x), fn(ids, table, w, x)):
         assert torch.allclose(got, want, equal_nan=True, **TOL)
 
 
@@ -62,7 +62,7 @@ def test_gemm_tiles_cover_ragged_edges_and_batches(local_pipeline):
     assert len(gemms) == 2
     # bias + relu finish in the GEMM's thread; the transposed read of C takes a second launch
     assert sorted("C = cuda.device_array" in src for src in gemms) == [False, True]
-    for got, want in zip(compiled(a, b, c, bias), fn(a, b, c, bias)):
+    for got, want in pairs(compiled(a, b, c, bias), fn(a, b, c, bias)):
         assert torch.allclose(got, want, **TOL)
 
 

@@ -10,7 +10,7 @@ from torch.export import Dim
 import kiln
 from kiln.core.errors import InvalidArgument
 from kiln.apps.examples import encoder_example, mlp_example
-from helpers import Fn
+from helpers import Fn, pairs
 
 
 def test_encoder_with_symbolic_batch_and_seq(local_pipeline):
@@ -93,7 +93,7 @@ def test_llama_decode_step_with_a_symbolic_past(local_pipeline):
             ids, pos = torch.randint(0, 1000, (1, 1)), torch.tensor([[past]])
             got, want = compiled(ids, pos, kv), step(ids, pos, kv)
             assert [g.shape for g in got] == [w.shape for w in want], past
-            for g, w in zip(got, want):
+            for g, w in pairs(got, want):
                 assert torch.allclose(g, w, rtol=1e-4, atol=1e-5), (past, (g - w).abs().max())
     assert compiled.result.bundle == bundle
 
@@ -143,5 +143,5 @@ def test_a_gqa_attention_and_a_few_rows_gemm_over_symbolic_dims(local_pipeline):
     assert "np.dot(A[0], B[0][n0:n1].T, cb)" in sources, sources
     for n, b in ((2, 1), (9, 3), (64, 8)):
         args = (torch.randn(1, 4, 1, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16), torch.randn(b, 64))
-        for got, want in zip(compiled(*args), fn(*args)):
+        for got, want in pairs(compiled(*args), fn(*args)):
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (n, b, (got - want).abs().max())

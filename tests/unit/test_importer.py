@@ -13,7 +13,7 @@ from kiln.core.errors import FailedPrecondition
 from kiln.ir.evaluate import evaluate
 from kiln.pipeline import Pipeline
 from kiln.v1 import ir_pb2
-from helpers import Fn
+from helpers import Fn, pairs
 
 aten = torch.ops.aten
 
@@ -27,7 +27,7 @@ def _check(fn, *inputs, rtol=1e-5, atol=1e-6):
                     {k: v.detach().numpy() for k, v in weights.items()})
     ref = fn(*inputs)
     ref = ref if isinstance(ref, tuple) else (ref,)
-    for o, r in zip(outs, ref):
+    for o, r in pairs(outs, ref):
         np.testing.assert_allclose(o, r.detach().numpy(), rtol=rtol, atol=atol, equal_nan=True)
     return graph
 

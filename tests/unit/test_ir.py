@@ -63,20 +63,48 @@ def _random_chain(rng, shape):
     return out
 
 
-@pytest.mark.parametrize("seed", range(60))
-def test_view_composition_matches_chained_views(seed):
+def _segments(chain):
+    """The chain with each run of views that compose replaced by their one composed view."""
+    out = []
+    for v in chain:
+        c = views.compose(out[-1], v) if out else None
+        if c is not None:
+            out[-1] = c
+        else:
+            out.append(v)
+    return out
+
+
+def _seeded_chain(seed):
     rng = np.random.default_rng(seed)
     shape = tuple(int(x) for x in rng.integers(1, 5, size=int(rng.integers(1, 4))))
     x = rng.standard_normal(shape).astype(np.float32)
-    chain = _random_chain(rng, shape)
+    return x, _random_chain(rng, shape)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_view_composition_matches_chained_views(seed):
+    """Every composition compose() makes reads what the views it replaces read, in order: the
+    chain with its composable runs composed gives the chain's result (always compared)."""
+    x, chain = _seeded_chain(seed)
     expected = x
     for v in chain:
         expected = apply_view(expected, v, {})
-    composed = chain[0] if chain else None
-    for v in chain[1:]:
-        composed = views.compose(composed, v) if composed is not None else None
-    if composed is not None:
-        np.testing.assert_array_equal(apply_view(x, composed, {}), expected)
+    got = x
+    for v in _segments(chain):
+        got = apply_view(got, v, {})
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_random_view_chains_do_compose():
+    """The seeds above exercise compose(): most of their adjacent views compose (a compose that
+    refused everything would pass the comparison vacuously)."""
+    pairs_total = composed = 0
+    for seed in range(60):
+        _, chain = _seeded_chain(seed)
+        pairs_total += max(len(chain) - 1, 0)
+        composed += len(chain) - len(_segments(chain))
+    assert composed >= pairs_total // 2, (composed, pairs_total)
 
 
 def test_view_composition_composes_common_cases():

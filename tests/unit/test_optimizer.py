@@ -12,6 +12,7 @@ from kiln.ir.ops import Op
 from optimizer_svc.partition import Schedule, partition
 from optimizer_svc.cost import Pool, graph_cost
 from optimizer_svc.saturate import SearchLimits, saturate
+from helpers import pairs
 
 SHAPE = (3, 4)
 
@@ -411,7 +412,7 @@ def test_gemms_sharing_an_input_merge_into_one_wider_gemm(bias):
     after = evaluate(program, feeds, {**w, **derived})
     with torch.no_grad():
         ref = m(*args)
-    for a, r in zip(after, ref):
+    for a, r in pairs(after, ref):
         np.testing.assert_allclose(a, r.numpy(), rtol=1e-5, atol=1e-5)
 
 
@@ -513,7 +514,7 @@ def test_schedules_are_enodes_priced_by_the_target():
     feeds = {"x": rng.standard_normal((512, 256)).astype(np.float32),
              "v": rng.standard_normal((1, 256)).astype(np.float32)}
     w = {"w": rng.standard_normal((512, 256)).astype(np.float32), "u": rng.standard_normal((16, 256)).astype(np.float32)}
-    for got, want in zip(evaluate(opt, feeds, w), evaluate(g, feeds, w)):
+    for got, want in pairs(evaluate(opt, feeds, w), evaluate(g, feeds, w)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     kg = partition(opt)
     par = {opt.nodes[k.output].shape: k.parallel for k in kg.kernels if k.kind == "gemm"}
