@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import re
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -56,7 +57,10 @@ def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     table = torch.export.default_decompositions()
     for op in KEEP_UNDECOMPOSED:
         table.pop(op, None)
-    return ep.run_decompositions(table)
+    with warnings.catch_warnings():
+        # torch's own deepcopy of the program's call specs trips torch's own deprecation notice
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        return ep.run_decompositions(table)
 
 
 @dataclass(frozen=True)

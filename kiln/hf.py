@@ -7,6 +7,7 @@ trust_remote_code: a config that asks for remote code is refused).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -55,6 +56,21 @@ def is_hf_directory(path: str | Path) -> bool:
     return p.is_dir() and (p / "config.json").is_file()
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' "Loading weights" bar off while kiln loads a directory (a compile prints its
+    own result; a bar per load would be noise in every command and server log)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_hf_directory(path: str | Path, batch: int = 1, seq_len: int = 16):
     """(module, example kwargs) for a save_pretrained directory."""
     import transformers
@@ -73,7 +89,8 @@ def load_hf_directory(path: str | Path, batch: int = 1, seq_len: int = 16):
         raise FailedPrecondition(f"{p}: architecture {archs[:1] or 'unset'} is not a transformers class")
     cls = getattr(transformers, archs[0])
     try:
-        model = cls.from_pretrained(p, use_safetensors=True, trust_remote_code=False, local_files_only=True)
+        with _no_progress_bars():
+            model = cls.from_pretrained(p, use_safetensors=True, trust_remote_code=False, local_files_only=True)
     except Exception as e:  # transformers raises many types for a broken directory
         raise InvalidArgument(f"{p}: transformers could not build {archs[0]}: {type(e).__name__}: {e}") from e
     model.eval()

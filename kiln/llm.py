@@ -52,7 +52,7 @@ def _wrappers(model):
         def forward(self, input_ids, position_ids, attention_mask):
             out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                              use_cache=True, logits_to_keep=1)
-            return (out.logits, *_cache_tensors(out.past_key_values))
+            return (out.logits, *_cache_tensors(out.cache))
 
     class Decode(torch.nn.Module):
         def __init__(self):
@@ -66,8 +66,8 @@ def _wrappers(model):
             # the mask over the cache, and the new token (always attended)
             mask = torch.cat([past_mask, torch.ones_like(input_ids)], dim=1)
             out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                             past_key_values=past, use_cache=True)
-            return (out.logits, *_cache_tensors(out.past_key_values))
+                             cache=past, use_cache=True)  # transformers 5 names it cache (past_key_values: deprecated)
+            return (out.logits, *_cache_tensors(out.cache))
 
     return Prefill().eval(), Decode().eval(), layers
 
