@@ -27,6 +27,19 @@ MAX_MESSAGE_BYTES = 64 << 20
 _CODES = {c.code: getattr(grpc.StatusCode, c.code) for c in errors.BY_CODE.values()}
 
 
+def _abort(context, fn: Callable, e: Exception) -> None:
+    """End the call with e's status: KilnError -> its code, ValueError -> INVALID_ARGUMENT,
+    anything else -> INTERNAL (logged). An abort already under way passes through."""
+    if isinstance(e, errors.KilnError):
+        context.abort(_CODES.get(e.code, grpc.StatusCode.INTERNAL), str(e))
+    if isinstance(e, ValueError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortError":
+        raise e
+    log.exception("internal error in %s", fn.__name__)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+
 def rpc(fn: Callable) -> Callable:
     """Wrap a servicer method: KilnError -> its status code; anything else -> INTERNAL.
     A handler never takes its server down."""
@@ -35,15 +48,8 @@ def rpc(fn: Callable) -> Callable:
     def wrapper(self, request, context):
         try:
             return fn(self, request, context)
-        except errors.KilnError as e:
-            context.abort(_CODES.get(e.code, grpc.StatusCode.INTERNAL), str(e))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Exception as e:  # noqa: BLE001 - the boundary: report, keep serving
-            if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortError":
-                raise
-            log.exception("internal error in %s", fn.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            _abort(context, fn, e)
 
     return wrapper
 
@@ -56,15 +62,8 @@ def rpc_stream(fn: Callable) -> Callable:
     def wrapper(self, request, context):
         try:
             yield from fn(self, request, context)
-        except errors.KilnError as e:
-            context.abort(_CODES.get(e.code, grpc.StatusCode.INTERNAL), str(e))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Exception as e:  # noqa: BLE001 - the boundary: report, keep serving
-            if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortError":
-                raise
-            log.exception("internal error in %s", fn.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            _abort(context, fn, e)
 
     return wrapper
 
