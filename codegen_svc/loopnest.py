@@ -37,8 +37,10 @@ STORE_FN = {DType.F16: "_f2h", DType.BF16: "_f2b"}
 
 ROUND_FN = {DType.F16: "_rh", DType.BF16: "_rb"}
 
+
 def code_dim(x: Dim) -> str:
     return render_dim(x)
+
 
 def axis_map(v: ViewSpec, src_shape) -> Optional[tuple]:
     """When the view only permutes, broadcasts and adds or drops dims of 1 (no offset, mask,
@@ -63,14 +65,17 @@ def axis_map(v: ViewSpec, src_shape) -> Optional[tuple]:
         return None
     return tuple(out)
 
+
 def code_sum(terms: list[str]) -> str:
     terms = [t for t in terms if t != "0"]
     return "(" + " + ".join(terms) + ")" if terms else "0"
+
 
 def code_scaled(i: str, s: Dim) -> str:
     if s == 0 or i == "0":
         return "0"
     return i if s == 1 else f"{i}*{code_dim(s)}"
+
 
 def code_at(buf: str, index: str) -> str:
     """buf's element at a flat index. Flat indices are never negative, and an unsigned index
@@ -78,10 +83,12 @@ def code_at(buf: str, index: str) -> str:
     from vectorizing the loop (a parallel add over 786k floats: 0.63 ms signed, 0.05 unsigned)."""
     return f"{buf}[{index}]" if index.isdigit() else f"{buf}[np.uint64({index})]"
 
+
 def checked_index_lines(pad: str, size, op: str) -> list[str]:
     """The data-dependent index `j` outside [0, size) raises (as torch does), never reads out of bounds."""
     return [pad + f"if j < 0 or j >= {code_dim(size)}:",
             pad + f"    raise IndexError('{op} index out of range')"]
+
 
 def dim_symbols(dims) -> set[str]:
     out = set()
@@ -89,6 +96,7 @@ def dim_symbols(dims) -> set[str]:
         if not isinstance(d, int):
             out |= d.symbols()
     return out
+
 
 def graph_symbols(g: Graph) -> list[str]:
     """Every symbolic dim the graph uses, sorted: extra arguments of the entry and of each kernel."""

@@ -29,6 +29,7 @@ class EmittedKernel:
     def module(self) -> str:
         return "kiln_" + self.symbol
 
+
 @dataclass(frozen=True)
 class Program:
     kernels: tuple[EmittedKernel, ...]
@@ -36,6 +37,7 @@ class Program:
     entry: str
     memory: MemoryPlan
     outputs: tuple[TensorSpec, ...]
+
 
 def emit_program(kg: KernelGraph, writer, module_of, header: str, entry_decorator: str, alloc: str,
                  copy: str, arena: bool = True) -> Program:
@@ -60,6 +62,7 @@ def emit_program(kg: KernelGraph, writer, module_of, header: str, entry_decorato
     outputs = tuple(TensorSpec(name or f"out{i}", g.nodes[o].shape, g.nodes[o].dtype)
                     for i, (o, name) in enumerate(zip(g.outputs, list(g.output_names) + [""] * len(g.outputs))))
     return Program(tuple(kernels), module, "run_graph", plan, outputs)
+
 
 def emit_entry(kg: KernelGraph, plan: MemoryPlan, symbols: list[str], decorator: str, alloc: str,
                 copy: str) -> str:

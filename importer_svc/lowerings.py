@@ -85,6 +85,7 @@ def _promote_for_compare(b, x, y) -> DType:
 
 # ---- elementwise arithmetic ----
 
+
 @register_lowering(aten.add.Tensor, aten.add.Scalar)
 def lower_add(b, node, x, y, alpha=1):
     x, y = _binary_args(b, node, x, y)
@@ -217,6 +218,7 @@ def lower_minimum(b, node, x, y):
 
 # ---- activations ----
 
+
 @register_lowering(aten.relu.default)
 def lower_relu(b, node, x):
     return C.relu(b, x)
@@ -312,6 +314,7 @@ def lower_where(b, node, cond, x, y):
 
 # ---- reductions ----
 
+
 @register_lowering(aten.sum.dim_IntList, aten.sum.default)
 def lower_sum(b, node, x, dim=None, keepdim=False, dtype=None):
     return C.reduce_axes(b, Op.SUM_REDUCE, _to(b, x, out_dtype(node)), dim, keepdim)
@@ -358,6 +361,7 @@ def lower_layer_norm(b, node, x, normalized_shape, weight, bias, eps):
 
 # ---- linear algebra ----
 
+
 @register_lowering(aten.mm.default, aten.bmm.default, aten.matmul.default)
 def lower_mm(b, node, x, y):
     return C.matmul(b, x, y)
@@ -385,6 +389,7 @@ def lower_embedding(b, node, weight, indices, padding_idx=-1, scale_grad_by_freq
 
 
 # ---- movement ----
+
 
 def _resolve_shape(old, new):
     new = list(new)
@@ -522,6 +527,7 @@ def lower_constant_pad_nd(b, node, x, pad, value=0):
 
 
 # ---- copies, casts, constructors ----
+
 
 @register_lowering(aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
                    aten.lift_fresh_copy.default)
@@ -684,6 +690,7 @@ def lower_cumsum(b, node, x, dim, dtype=None):
 
 # ---- convolution and pooling: windows are views, convolution is a GEMM over them ----
 
+
 def _windows(b, x, kernel, stride, dilation, padding):
     """x[N, C, *S] -> view [N, C, *O, *K] of the zero-padded input (one element per tap)."""
     from kiln.ir.shape import contiguous_strides
@@ -820,6 +827,7 @@ def lower_gather(b, node, x, dim, index, sparse_grad=False):
 
 
 # ---- symbolic sizes (dynamic shapes): dims flow between nodes as Python values ----
+
 
 @register_lowering(aten.sym_size.int)
 def lower_sym_size(b, node, x, dim):

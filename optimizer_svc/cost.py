@@ -50,6 +50,7 @@ GEMM_WEIGHT = 0.25  # one multiply-add of a BLAS GEMM, against 1 for each op of 
 
 VECTOR_NOISE = 0.05  # vector rates within this of LLVM's own width's count as equal to it
 
+
 def vector_factors(profile) -> dict[int, float]:
     """Per SIMD vector width (bits) the target measured, its in-cache work's time against LLVM's
     preferred width (Calibrate's vector_rates): below 1 where the width runs faster; 1 where
@@ -59,6 +60,7 @@ def vector_factors(profile) -> dict[int, float]:
         return {}
     factors = {bits: rates[0] / rate for bits, rate in sorted(rates.items()) if bits}
     return {bits: 1.0 if abs(f - 1.0) <= VECTOR_NOISE else round(f, 3) for bits, f in factors.items()}
+
 
 @dataclass(frozen=True)
 class Pool:
@@ -106,6 +108,7 @@ _ROW_WEIGHT = {"softmax": 5.0, "rms_norm": 2.0, "layer_norm": 3.0}
 
 ATTENTION_SAVING = 1.0  # per probability: a fused attention kernel never writes nor reads P
 
+
 def _node_cost(name: str, elements: int) -> float:
     if name in ("input", "weight", "const"):
         return 0.0
@@ -116,6 +119,7 @@ def _node_cost(name: str, elements: int) -> float:
     if name in _ROW_WEIGHT:
         return _ROW_WEIGHT[name] * elements
     return _OP_WEIGHT.get(name, 1.0) * elements
+
 
 def graph_cost(g: Graph) -> float:
     """The cost extraction minimizes, for a whole Graph: elements computed, weighted by op."""
@@ -130,6 +134,7 @@ def graph_cost(g: Graph) -> float:
         else:
             total += _node_cost(TERM_NAME[n.op], evaluate_dim(numel(n.shape), largest))
     return total
+
 
 def enode_cost(n: dict, cls: str, nodes: dict, elements: dict[str, int]) -> float:
     """An e-node's own cost. A reduction costs the elements it reads; a GEMM its multiply-adds
@@ -159,6 +164,7 @@ ACCUMULATE = 0.5
 
 LINE_ELEMENTS = 16
 
+
 def order_factor(inner: int, axis_outer: bool) -> float:
     """A reduction's work factor for its loop order, `inner` the elements after its axis (also
     the roofline's, cost.predict)."""
@@ -176,10 +182,12 @@ VECTOR_TIE = 1e-3  # what asking LLVM for a vector width costs over not asking: 
 
 GEMM_PACK = 1.0  # per element of B: BLAS packs B again for every call (a tile of rows) after the first
 
+
 def width_matters(reduce_read_bytes: int) -> bool:
     """Whether a reduction reading this many bytes runs from cache, where its vector width can
     matter (streamed from memory, it cannot); extraction and the roofline (cost.predict) both ask."""
     return reduce_read_bytes <= C_CACHE_BYTES
+
 
 def gemm_tile_extra(rows: int, n: int, k: int, tile: int, epilogue: bool = True) -> tuple[int, float]:
     """What computing one thread's `rows` rows of a GEMM's C (N columns, K deep) `tile` rows per
@@ -193,6 +201,7 @@ def gemm_tile_extra(rows: int, n: int, k: int, tile: int, epilogue: bool = True)
     cold = STRIDED_READ * rows * n if epilogue and block * n * 4 > C_CACHE_BYTES else 0.0
     return blocks - 1, (blocks - 1) * k * n * GEMM_PACK + cold
 
+
 def attention_tile_extra(batch: int, m: int, keys: int, d: int, tile: int) -> tuple[int, float]:
     """What fused attention over `batch` matrices of M query rows, `keys` keys and D output
     columns, `tile` query rows at a time, costs beyond its two GEMMs: (BLAS calls, element
@@ -201,6 +210,7 @@ def attention_tile_extra(batch: int, m: int, keys: int, d: int, tile: int) -> tu
     tasks = batch * -(-m // tile)
     cold = STRIDED_READ * 2 * batch * m * keys if (2 * keys + d) * tile * 4 > TILE_CACHE_BYTES else 0.0
     return 2 * tasks, cold
+
 
 def schedule_costs(n: dict, cls: str, nodes: dict, shapes: dict[str, tuple], largest: dict, work: float,
                     pool: Pool) -> dict[str, float]:
@@ -290,12 +300,14 @@ NODE_COST = 0.01  # per op of the program: between programs of equal work, the o
 
 FREE = (Op.VIEW, Op.CONSTANT, Op.INPUT, Op.WEIGHT)
 
+
 @dataclass(frozen=True)
 class KernelCost:
     kernel: str
     kind: str
     seconds: float
     bound: str  # compute | memory | overhead
+
 
 def gemm_rate(profile: services_pb2.TargetProfile, m: int, n: int, k: int) -> float:
     """GFLOP/s for an M×N×K GEMM: the measured class nearest in log(M·N·K), GEMV for M or N = 1."""
@@ -308,9 +320,11 @@ def gemm_rate(profile: services_pb2.TargetProfile, m: int, n: int, k: int) -> fl
     size = math.log(max(m * n * k, 1))
     return min(profile.gemm, key=lambda g: abs(math.log(g.m * g.n * g.k) - size)).gflops
 
+
 def _gemm_seconds(g, gi: int, env, profile: services_pb2.TargetProfile, pool: int) -> float:
     batch, m, n, kk = (evaluate_dim(d, env) for d in gemm_dims(g, gi)[1:])
     return 2.0 * batch * m * n * kk / (gemm_rate(profile, m, n, kk) * 1e9 * pool)
+
 
 def _ops(g, k) -> int:
     """The kernel's elementwise and reduction ops, each a unit of work per element: views and
@@ -318,6 +332,7 @@ def _ops(g, k) -> int:
     gemms = [kernel_gemm(g, k)] if k.kind == "gemm" else [k.scores, k.output] if k.kind == "attention" else []
     inside_gemm = {j for gi in gemms for j in (gi, g.nodes[gi].inputs[0])}
     return sum(1 for j in k.nodes if j not in inside_gemm and g.nodes[j].op not in FREE)
+
 
 def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[KernelCost]:
     g = kg.graph

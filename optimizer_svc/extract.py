@@ -66,6 +66,7 @@ def class_shapes(g: Graph, enc: "Encoder", nodes: dict, classes: dict[str, list[
                 break
     return shape
 
+
 def weight_only(g: Graph, enc: Encoder, nodes: dict, classes: dict[str, list[str]],
                  elements: dict[str, int]) -> set[str]:
     """The e-nodes computed from weights and constants alone, at a static shape no larger than
@@ -97,6 +98,7 @@ def weight_only(g: Graph, enc: Encoder, nodes: dict, classes: dict[str, list[str
                     ok_class.add(cls)
                     changed = True
     return ok_node
+
 
 def share_values(nodes: dict, classes: dict[str, list[str]], choice: dict[str, str], own: dict[str, float],
            folded: set[str], roots: list[str]) -> dict[str, str]:
@@ -152,7 +154,9 @@ def share_values(nodes: dict, classes: dict[str, list[str]], choice: dict[str, s
             choice, cost = trial, c
     return choice
 
+
 def extract(g: Graph, enc: Encoder, ser: dict, pool: Optional[Pool] = None) -> Graph:
+    """The cheapest program in the serialized e-graph `ser`, rebuilt as a Graph."""
     nodes = ser["nodes"]
     classes: dict[str, list[str]] = {}
     for nid, n in nodes.items():
@@ -164,7 +168,18 @@ def extract(g: Graph, enc: Encoder, ser: dict, pool: Optional[Pool] = None) -> G
     folded = weight_only(g, enc, nodes, classes, elements)
     own = {nid: 0.0 if nid in folded else enode_cost(nodes[nid], cls, nodes, elements)
            for cls, members in classes.items() for nid in members}
-    # a kernel whose e-class holds schedules costs its cheapest one, and is built with it
+    schedule = choose_schedules(nodes, classes, shapes, largest, own, folded, pool)
+    # Term.output(k, x) nodes mark the e-class of output k
+    out_class = {literal(nodes[n["children"][0]]): nodes[n["children"][1]]["eclass"]
+                 for n in nodes.values() if n["op"] == "Term.output"}
+    choice = share_values(nodes, classes, cheapest(nodes, classes, own), own, folded, list(out_class.values()))
+    return build_graph(g, enc, nodes, classes, choice, schedule, out_class)
+
+
+def choose_schedules(nodes: dict, classes: dict[str, list[str]], shapes: dict, largest: dict,
+                     own: dict[str, float], folded: set[str], pool: Optional[Pool]) -> dict[str, str]:
+    """Each kernel e-node's cheapest schedule among those its e-class offers; its own cost
+    (in `own`) becomes that schedule's."""
     schedule: dict[str, str] = {}
     for cls, members in classes.items():
         offered = {literal(nodes[nodes[m]["children"][1]]) for m in members if nodes[m]["op"] == "Term.scheduled"}
@@ -177,6 +192,12 @@ def extract(g: Graph, enc: Encoder, ser: dict, pool: Optional[Pool] = None) -> G
                 if usable:
                     schedule[nid] = min(usable, key=lambda s: (costs[s], len(s), s))  # ties: the smaller tile
                     own[nid] = costs[schedule[nid]]
+    return schedule
+
+
+def cheapest(nodes: dict, classes: dict[str, list[str]], own: dict[str, float]) -> dict[str, str]:
+    """Per e-class, the e-node of least total cost (its own plus its children's), by a bottom-up
+    fixpoint."""
     best: dict[str, tuple[float, str]] = {}
     changed = True
     while changed:
@@ -196,10 +217,13 @@ def extract(g: Graph, enc: Encoder, ser: dict, pool: Optional[Pool] = None) -> G
                 if ok and (cls not in best or total < best[cls][0] - 1e-12):
                     best[cls] = (total, nid)
                     changed = True
-    # Term.output(k, x) nodes mark the e-class of output k
-    out_class = {literal(nodes[n["children"][0]]): nodes[n["children"][1]]["eclass"]
-                 for n in nodes.values() if n["op"] == "Term.output"}
-    choice = share_values(nodes, classes, {c: nid for c, (_, nid) in best.items()}, own, folded, list(out_class.values()))
+    return {c: nid for c, (_, nid) in best.items()}
+
+
+def build_graph(g: Graph, enc: Encoder, nodes: dict, classes: dict[str, list[str]], choice: dict[str, str],
+                schedule: dict[str, str], out_class: dict[int, str]) -> Graph:
+    """The chosen e-nodes rebuilt through GraphBuilder (shapes and dtypes inferred and checked
+    again), each kernel with its schedule, the outputs in g's order."""
     b = GraphBuilder()
     for t in g.inputs:
         b.input(t.name, t.shape, t.dtype)
@@ -235,6 +259,7 @@ def extract(g: Graph, enc: Encoder, ser: dict, pool: Optional[Pool] = None) -> G
             raise RuntimeError(f"output %{o} lost its e-class during saturation")
         outputs.append(build(cls))
     return b.build(outputs, g.output_names, g.output_tree, g.symbols)
+
 
 def rebuild(b: GraphBuilder, enc: Encoder, shapes, n: dict, nodes: dict, kids: list[int]) -> int:
     name = BY_NAME[n["op"]]

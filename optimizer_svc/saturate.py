@@ -51,12 +51,14 @@ class SearchLimits:
     # the machine); past it the request is RESOURCE_EXHAUSTED
     max_memory_bytes: int = field(default_factory=lambda: memory_limit("KILN_OPTIMIZE_MEMORY_MB", 0.25))
 
+
 def _check_memory(limits: SearchLimits, start: int, where: str) -> None:
     grown = resident_bytes() - start
     if grown > limits.max_memory_bytes:
         raise ResourceExhausted(f"the search grew this process by {grown / (1 << 20):.1f} MiB {where}, over the "
                                 f"per-request cap of {limits.max_memory_bytes / (1 << 20):.1f} MiB "
                                 "(KILN_OPTIMIZE_MEMORY_MB); lower max_enodes or max_iterations")
+
 
 @dataclass
 class IterationStat:
@@ -65,6 +67,7 @@ class IterationStat:
     eclasses: int
     rules_fired: int
 
+
 @dataclass
 class SearchReport:
     iterations: list[IterationStat] = field(default_factory=list)
@@ -72,6 +75,7 @@ class SearchReport:
     rulesets: dict[str, int] = field(default_factory=dict)
     stop_reason: str = ""
     seconds: float = 0.0
+
 
 def saturate(g: Graph, limits: SearchLimits) -> tuple[Graph, SearchReport]:
     eg = EGraph()

@@ -45,6 +45,7 @@ def kiln_cli(*args, env=None, check=True):
 
 # Hugging Face models from small configs, random weights (nothing downloaded), with inputs
 
+
 def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -46,6 +46,7 @@ class ViewSpec:
 
 # ---- constructors used by the importer, all relative to a contiguous source ----
 
+
 def reshape(src: Shape, new: Shape) -> ViewSpec:
     return ViewSpec.contiguous(new)
 
@@ -102,6 +103,7 @@ def pad(src: Shape, pads: tuple[tuple[int, int], ...]) -> ViewSpec:
 
 
 # ---- composition ----
+
 
 def compose(inner: ViewSpec, outer: ViewSpec) -> Optional[ViewSpec]:
     """One view equal to `outer` applied to the output of `inner`, or None if none exists

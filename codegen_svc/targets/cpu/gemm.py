@@ -29,6 +29,7 @@ GEMM_MIN_ROWS = 64  # the fewest rows per block of a GEMM split across the pool
 
 GEMM_MIN_COLUMNS = 256  # the fewest columns per block of a GEMM whose columns the pool shares
 
+
 def sub_block_rows(a_cols, c_cols, b_elements) -> int:
     """Rows of a GEMM's sub-block (packed A's `a_cols` and C's `c_cols` per row). EPILOGUE_ROWS,
     unless B is small enough to stream again per BLAS call for free: then as many rows as fit
@@ -39,6 +40,7 @@ def sub_block_rows(a_cols, c_cols, b_elements) -> int:
     if not isinstance(b_elements, int) or not isinstance(per_row, int) or b_elements > SMALL_B or per_row == 0:
         return EPILOGUE_ROWS
     return max(GEMM_MIN_ROWS, min(EPILOGUE_ROWS, SMALL_BLOCK_BYTES // per_row))
+
 
 def axis_runs(chain: list[ViewSpec]):
     """A view chain (innermost first) as loops over base axes: the first view's axes, whose

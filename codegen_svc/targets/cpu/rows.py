@@ -18,9 +18,11 @@ from codegen_svc.loopnest import ROUND_FN, code_at, code_dim
 
 ONLINE_SOFTMAX_MIN_ROW = 4096  # f32 rows up to this long (16 KB) take a softmax in two loops
 
+
 def const_of(g: Graph, j: int) -> Optional[float]:
     root, _ = view_root(g, j)
     return g.nodes[root].value if g.nodes[root].op is Op.CONSTANT else None
+
 
 def split_operands(g: Graph, j: int, op: Op, want) -> Optional[tuple[int, int]]:
     """Node j's operands (x, other) when j is `op` and `want(x)` holds for one of them."""
@@ -29,6 +31,7 @@ def split_operands(g: Graph, j: int, op: Op, want) -> Optional[tuple[int, int]]:
         return None
     a, b = n.inputs
     return (a, b) if want(a) else (b, a) if want(b) else None
+
 
 def softmax_pair(g: Graph, q2: int) -> tuple[int, float]:
     """(q1, c) when SumReduce q2 sums exp2((y - q1)·c) along its axis, q1 = max(y) on the same
@@ -55,6 +58,7 @@ def softmax_pair(g: Graph, q2: int) -> tuple[int, float]:
         if r.op is Op.MAX_REDUCE and r.inputs[0] == y and r.axis == s.axis and r.dtype is DType.F32:
             return q1, float(const_of(g, c_node))
     return none
+
 
 def fits_in_cache(row: Dim) -> bool:
     """Whether a row of this many elements stays in L1 between two loops over it. Such rows

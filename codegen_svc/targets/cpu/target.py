@@ -128,6 +128,7 @@ def _exp2(x):
 
 _HELPER_USE = re.compile(r"\b_(h2f|f2h|b2f|f2b|rh|rb)\(")
 
+
 def kernel_module(function_source: str, consts: dict) -> tuple[str, str]:
     """(symbol, module text) for one kernel whose function is named KERNEL_PLACEHOLDER: the module
     holds its constants and, when it uses them, the 16-bit float helpers."""

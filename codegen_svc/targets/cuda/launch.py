@@ -23,6 +23,7 @@ ATTENTION_KEYS = 32  # attention: keys per tile of K and of V staged in shared m
 
 SHARED_BYTES = 48 << 10  # shared memory a block may use without opting in
 
+
 @dataclass(frozen=True)
 class Launch:
     """One device function and how its launcher calls it."""
@@ -32,6 +33,7 @@ class Launch:
     grid: str  # host expressions, over the kernel's symbols
     block: str
     guard: str = ""  # launch only when this holds (a grid of zero blocks is an error)
+
 
 def check_launch(block: int, tile: int) -> None:
     if block not in BLOCKS or tile not in TILES:

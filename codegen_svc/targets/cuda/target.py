@@ -54,6 +54,7 @@ def _exp2(x):
     return math.pow(np.float32(2.0), x)
 '''
 
+
 def cuda_kernel_module(function_source: str, consts: dict) -> tuple[str, str]:
     const_lines = "\n".join(line for _, line in consts.values())
     helpers = EXP2 if "_exp2(" in function_source else ""
