@@ -23,7 +23,7 @@ import numpy as np
 from kiln.cas import cache
 from kiln.cas.digest import Digest
 from kiln.core.errors import FailedPrecondition
-from kiln.core.limits import CONTENDED, CpuLoad
+from kiln.core.limits import CpuLoad, contended_share
 from kiln.cas.store import BlobStore
 from kiln.core.telemetry import span
 from kiln.runtime.vectorwidth import host_widths, pipeline as vector_pipeline
@@ -236,7 +236,7 @@ def calibrate(store: BlobStore, target: str = "cpu", force: bool = False
         d = store.put_message(p)
         s.set_attribute("kiln.profile", str(d))
         s.set_attribute("kiln.others_busy", others)
-    if others > CONTENDED:  # rates measured beside another process's work: used now, measured again next time
+    if others > contended_share():  # rates measured beside another process's work: used now, measured again next time
         log.warning("other processes took %.0f%% of the CPUs while the %s target was calibrated; the profile "
                     "is used but not cached", 100 * others, target)
         return d, p, False

@@ -20,7 +20,7 @@ from kiln.cas import cache
 from kiln.core import errors
 from kiln.cas.digest import Digest
 from codegen_svc.targets import target as target_named
-from kiln.core.limits import CONTENDED
+from kiln.core.limits import contended_share
 from kiln.cas.store import BlobStore, open_store
 from kiln.core.telemetry import child_span, setup_tracing, span
 from kiln.ir.dtypes import numpy_to_torch, torch_to_numpy
@@ -214,7 +214,7 @@ class Pipeline:
             c.chosen = i == best
         out.kernels = out.candidates[best].kernels
         out.others_busy = others
-        if others > CONTENDED:  # this compile uses the choice; the next one times the candidates again
+        if others > contended_share():  # this compile uses the choice; the next one times the candidates again
             log.warning("other processes took %.0f%% of the CPUs while %d candidates were timed; the choice "
                         "is used but not cached", 100 * others, len(kgs))
         else:

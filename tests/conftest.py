@@ -12,8 +12,14 @@ from pathlib import Path
 import pytest
 
 _TMP = Path(tempfile.mkdtemp(prefix="kiln-tests-"))
-# test runs never touch the user's ~/.cache/kiln; the kernel cache is shared within a run
-os.environ.setdefault("KILN_KERNEL_CACHE", str(_TMP / "kernels"))
+# test runs never touch the user's ~/.cache/kiln; the kernel cache is shared within a run, by
+# every test process of it (pytest-xdist workers share the run's id)
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+os.environ.setdefault("KILN_KERNEL_CACHE", str(Path(tempfile.gettempdir()) / f"kiln-tests-kernels-{_RUN}"
+                                              if _RUN else _TMP / "kernels"))
+# two test processes on two cores: thread pools wait without spinning, so that one process's
+# parallel kernel does not burn the core the other is compiling on
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ["KILN_TRACE_FILE"] = str(_TMP / "traces.jsonl")
 # compiles in tests take the cost model's pick: timing 8 schedule candidates (each a compile
 # of its kernels) per model would double the suite; tests/test_candidates.py times candidates

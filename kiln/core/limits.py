@@ -15,6 +15,24 @@ from typing import Optional
 CONTENDED = 0.25
 
 
+def contended_share() -> float:
+    """The share above which a timing is not cached: KILN_CONTENDED (0..1), default CONTENDED.
+    A node that is always that busy (a farm node serving traffic) may raise it; 1 caches every
+    measurement, however busy the machine was."""
+    v = os.environ.get("KILN_CONTENDED", "")
+    if not v:
+        return CONTENDED
+    try:
+        share = float(v)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        from kiln.core.errors import InvalidArgument
+
+        raise InvalidArgument(f"KILN_CONTENDED must be a share of the CPUs from 0 to 1, got {v!r}")
+    return share
+
+
 def machine_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 

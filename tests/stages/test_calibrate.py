@@ -10,6 +10,9 @@ from kiln.cas.digest import Digest
 from kiln.apps.examples import mlp_example
 from kiln.v1 import services_pb2
 
+# times candidates or machines, or starts a farm: run alone (make test's second pass)
+pytestmark = pytest.mark.serial
+
 
 def test_calibrate_measures_once_per_fingerprint(file_store, tmp_path, monkeypatch):
     from executor_svc.calibrate import GEMM_CLASSES, calibrate, fingerprint

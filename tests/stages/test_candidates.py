@@ -10,6 +10,9 @@ from kiln.cas.digest import Digest
 from kiln.apps.examples import mlp_example
 from kiln.core.limits import CONTENDED
 
+# times candidates or machines, or starts a farm: run alone (make test's second pass)
+pytestmark = pytest.mark.serial
+
 
 def test_candidates_are_timed_and_the_fastest_is_kept(pipeline):
     """In process and over gRPC (Calibrate, Optimize, Emit and Profile on the services)."""

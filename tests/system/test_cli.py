@@ -93,6 +93,9 @@ def test_ops_lists_needs_and_missing(tmp_path):
 
 def test_calibrate_then_compile_with_a_prediction(compiled_mlp):
     d, env, out, model, x = compiled_mlp
+    # cache the measurement however busy the machine is (else a run beside other work measures
+    # again: tests/stages/test_calibrate.py checks that on its own)
+    env = {**env, "KILN_CONTENDED": "1"}
     first = json.loads(kiln_cli("calibrate", env=env).stdout)
     assert first["target"] == "cpu" and len(first["gemm"]) == 4 and first["bandwidthGbs"] > 0
     again = json.loads(kiln_cli("calibrate", env=env).stdout)

@@ -12,6 +12,10 @@ from kiln.apps.examples import Encoder
 from kiln.apps.loadtest import concurrent_compiles, distinct_mlps, run_load
 from helpers import STAGES, Server
 from kiln.cas.store import FileStore
+import pytest
+
+# times candidates or machines, or starts a farm: run alone (make test's second pass)
+pytestmark = pytest.mark.serial
 
 
 def test_32_clients_on_run_for_60_s_then_8_concurrent_compiles(tmp_path, kiln_serve):
