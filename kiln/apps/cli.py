@@ -132,14 +132,13 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from kiln.apps.serve import serve
+    from kiln.apps.serve import STAGES, serve
     from kiln.cas.store import open_store
-    from kiln.core.telemetry import setup_tracing
-
-    from kiln.rpc.auth import AuthConfig
     from kiln.core.metrics import serve_metrics
+    from kiln.core.telemetry import setup_tracing
+    from kiln.rpc.auth import AuthConfig
 
-    stages = ["importer", "optimizer", "codegen", "executor"] if args.stage == "all" else [args.stage]
+    stages = list(STAGES) if args.stage == "all" else [args.stage]
     flags = {"KILN_TLS_CERT": args.tls_cert, "KILN_TLS_KEY": args.tls_key, "KILN_TLS_CLIENT_CA": args.tls_client_ca,
              "KILN_AUTH_TOKEN_FILE": args.auth_token_file}
     auth = AuthConfig.from_env({**os.environ, **{k: v for k, v in flags.items() if v}})
