@@ -34,8 +34,8 @@ $(CHROMIUM):
 # two test processes at a time (most tests compile: one core each), then the ones that time
 # things or start a farm, alone
 test: setup $(CHROMIUM)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" tests
-	$(PY) -m pytest -q -m serial tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=20 tests
+	$(PY) -m pytest -q -m serial --durations=10 tests
 
 # the fast loop: no servers, no S3, a few minutes (the optimizer's property test draws 100 random
 # graphs instead of the full suite's 500)
