@@ -108,10 +108,7 @@ class Pipeline:
                  time_budget_s: float = 0.0, target_profile: Optional[Digest] = None, candidates: int = 0
                  ) -> tuple[Digest, services_pb2.OptimizeReport]:
         """0 for a bound or the candidates: the optimizer's default."""
-        d = OptimizeOptions()
-        options = OptimizeOptions(max_iterations=max_iterations or d.max_iterations,
-                                  max_enodes=max_enodes or d.max_enodes, time_budget_s=time_budget_s or d.time_budget_s,
-                                  search=search, target_profile=target_profile, candidates=candidates or d.candidates)
+        options = OptimizeOptions.given(search, max_iterations, max_enodes, time_budget_s, candidates, target_profile)
         return self._stages["optimizer"].optimize(graph, options)
 
     def emit(self, kernel_graph: Digest, target: str = "cpu", block: int = 0, tile: int = 0

@@ -46,6 +46,15 @@ class OptimizeOptions:
     target_profile: Optional[Digest] = None  # Executor.Calibrate's TargetProfile: predict run time
     candidates: int = 8  # schedule candidates returned for timing, best predicted first
 
+    @classmethod
+    def given(cls, search: bool, max_iterations: int = 0, max_enodes: int = 0, time_budget_s: float = 0.0,
+              candidates: int = 0, target_profile: Optional[Digest] = None) -> "OptimizeOptions":
+        """Options as a caller gives them: 0 for a bound or the candidates means the default."""
+        d = cls()
+        return cls(max_iterations=max_iterations or d.max_iterations, max_enodes=max_enodes or d.max_enodes,
+                   time_budget_s=time_budget_s or d.time_budget_s, search=search,
+                   target_profile=target_profile, candidates=candidates or d.candidates)
+
     def canonical(self) -> dict:
         return {"max_iterations": self.max_iterations, "max_enodes": self.max_enodes,
                 "time_budget_s": self.time_budget_s, "search": self.search,

@@ -18,12 +18,8 @@ from optimizer_svc.saturate import SearchLimits
 
 
 def options_from_request(r: services_pb2.OptimizeRequest) -> OptimizeOptions:
-    d = OptimizeOptions()
-    return OptimizeOptions(max_iterations=r.max_iterations or d.max_iterations,
-                           max_enodes=r.max_enodes or d.max_enodes,
-                           time_budget_s=r.time_budget_s or d.time_budget_s, search=r.search,
-                           candidates=r.candidates or d.candidates,
-                           target_profile=Digest.from_pb(r.target_profile) if r.HasField("target_profile") else None)
+    return OptimizeOptions.given(r.search, r.max_iterations, r.max_enodes, r.time_budget_s, r.candidates,
+                                 Digest.from_pb(r.target_profile) if r.HasField("target_profile") else None)
 
 
 def peer_client(stub: services_pb2_grpc.OptimizerStub, target_profile: Optional[Digest]) -> PeerSaturate:

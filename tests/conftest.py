@@ -149,33 +149,30 @@ class ServeProcess:
                 self.proc.wait()
 
 
-def _serve_factory():
+def _serving():
+    """A `serve(*args, env=)` that starts `kiln serve ARGS`, and stops every process it started
+    when the generator is closed."""
     started: list[ServeProcess] = []
 
     def serve(*args: str, env: dict | None = None) -> ServeProcess:
-        p = ServeProcess(args, env or {})
-        started.append(p)
-        return p
+        started.append(ServeProcess(args, env or {}))
+        return started[-1]
 
-    return serve, started
+    yield serve
+    for p in started:
+        p.stop()
 
 
 @pytest.fixture
 def kiln_serve():
     """Start `kiln serve ARGS` processes (stopped after the test): kiln_serve("all", "--port", "0")."""
-    serve, started = _serve_factory()
-    yield serve
-    for p in started:
-        p.stop()
+    yield from _serving()
 
 
 @pytest.fixture(scope="module")
 def kiln_serve_module():
     """kiln_serve for a module's worth of tests."""
-    serve, started = _serve_factory()
-    yield serve
-    for p in started:
-        p.stop()
+    yield from _serving()
 
 
 @pytest.fixture(scope="module")
