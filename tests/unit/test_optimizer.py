@@ -12,7 +12,7 @@ from kiln.ir.ops import Op
 from optimizer_svc.partition import Schedule, partition
 from optimizer_svc.cost import Pool, graph_cost
 from optimizer_svc.saturate import SearchLimits, saturate
-from helpers import pairs
+from helpers import Fn, pairs
 
 SHAPE = (3, 4)
 
@@ -292,31 +292,22 @@ class _NormThenLinear(torch.nn.Module):
         return self.head(self.norm(x))
 
 
-class _Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
-
-
 def _attention(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 # kernel-choice rules: (name, module, inputs, rule substring, marks the extracted graph carries)
 KERNEL_RULES = [
-    ("gemm", _Fn(lambda x, w: x @ w.t()), ((3, 8), (5, 8)), "Term.gemm(", {"gemm": 1}),
-    ("gemm_batched_transposed", _Fn(lambda x, y: x.transpose(1, 2) @ y), ((2, 8, 3), (2, 8, 4)), "Term.gemm(",
+    ("gemm", Fn(lambda x, w: x @ w.t()), ((3, 8), (5, 8)), "Term.gemm(", {"gemm": 1}),
+    ("gemm_batched_transposed", Fn(lambda x, y: x.transpose(1, 2) @ y), ((2, 8, 3), (2, 8, 4)), "Term.gemm(",
      {"gemm": 1}),
-    ("softmax", _Fn(lambda x: torch.softmax(x, -1)), ((3, 8),), "Term.softmax(x, a)", {"row": 1}),
-    ("softmax_axis_of_one", _Fn(lambda x: torch.softmax(x, -1)), ((3, 8, 1),), "Term.softmax(x, a)", {"row": 1}),
+    ("softmax", Fn(lambda x: torch.softmax(x, -1)), ((3, 8),), "Term.softmax(x, a)", {"row": 1}),
+    ("softmax_axis_of_one", Fn(lambda x: torch.softmax(x, -1)), ((3, 8, 1),), "Term.softmax(x, a)", {"row": 1}),
     ("rms_norm", _Rms(True), ((3, 8),), "Term.rms_norm(x, a, n, eps)", {"row": 1}),
     ("rms_norm_rstd_first", _Rms(False), ((3, 8),), "Term.rms_norm(x, a, n, eps)", {"row": 1}),
     ("rms_norm_axis_of_one", _Rms(True), ((3, 1),), "Term.rms_norm(x, a, n, eps)", {"row": 1}),
     ("layer_norm", torch.nn.LayerNorm(8), ((3, 8),), "Term.layer_norm(x, a, n, eps)", {"row": 1}),
-    ("attention", _Fn(_attention), ((1, 2, 6, 4),) * 3, "Term.attention(", {"gemm": 1, "row": 1, "attention": 1}),
+    ("attention", Fn(_attention), ((1, 2, 6, 4),) * 3, "Term.attention(", {"gemm": 1, "row": 1, "attention": 1}),
     ("layer_norm_into_gemm", _NormThenLinear(torch.nn.LayerNorm(8)), ((3, 8),), "Term.attention(",
      {"row": 1, "attention": 1}),
 ]
@@ -357,10 +348,10 @@ def test_kernel_rules_need_their_whole_form():
         return e / e.sum(-1, keepdim=True)
 
     for fn in (unshifted, lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6).transpose(0, 1)):
-        g, _ = lower_program(torch.export.export(_Fn(fn), (torch.randn(8, 8),)))
+        g, _ = lower_program(torch.export.export(Fn(fn), (torch.randn(8, 8),)))
         opt, _ = saturate(g, SearchLimits())
         assert not [n.kernel for n in opt.nodes if n.kernel]
-    g, _ = lower_program(torch.export.export(_Fn(lambda x, y: x @ y), (torch.ones(3, 4, dtype=torch.int64),
+    g, _ = lower_program(torch.export.export(Fn(lambda x, y: x @ y), (torch.ones(3, 4, dtype=torch.int64),
                                                                       torch.ones(4, 5, dtype=torch.int64))))
     opt, _ = saturate(g, SearchLimits())
     assert [n.kernel for n in opt.nodes if n.kernel] == ["gemm"]
@@ -639,7 +630,7 @@ def test_attention_tile_is_a_schedule(keys, tile):
     torch.manual_seed(0)
     q = torch.randn(1, 1, 256, 16)
     kv = torch.randn(1, 1, keys, 16)
-    module = _Fn(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    module = Fn(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v))
     g, _ = lower_program(torch.export.export(module, (q, kv, kv)))
     opt, _ = saturate(g, SearchLimits(pool=POOL))
     (sched,) = [n.schedule for n in opt.nodes if n.kernel == "attention"]
