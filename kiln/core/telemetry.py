@@ -4,6 +4,10 @@ Exporter: OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set and the OTLP exporter is 
 otherwise OTLP JSON appended to KILN_TRACE_FILE (default ~/.cache/kiln/traces.jsonl), one
 export request per line, as the OpenTelemetry Collector's file exporter writes it; `read_spans`
 reads it back for `kiln trace`. OTEL_TRACES_EXPORTER=none turns export off.
+
+Libraries that trace themselves (egglog: a span per rule registration and per run, thousands per
+compile) are not recorded unless KILN_TRACE_LIBRARIES=1: they were two thirds of a compile's
+spans and slowed the search by half under an exporter that keeps spans.
 """
 
 from __future__ import annotations
@@ -23,6 +27,18 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 _TRACER = trace.get_tracer("kiln")
 _lock = threading.Lock()
 _configured = False
+
+QUIET_LIBRARIES = ("egglog",)  # instrumentation scopes recorded only with KILN_TRACE_LIBRARIES=1
+
+
+class _Provider(TracerProvider):
+    """The SDK's provider, with a no-op tracer for QUIET_LIBRARIES unless asked for."""
+
+    def get_tracer(self, instrumenting_module_name: str, *args, **kwargs) -> trace.Tracer:
+        if instrumenting_module_name.split(".")[0] in QUIET_LIBRARIES and \
+                os.environ.get("KILN_TRACE_LIBRARIES", "") not in ("1", "true", "yes"):
+            return trace.NoOpTracer()
+        return super().get_tracer(instrumenting_module_name, *args, **kwargs)
 
 
 def _otlp_value(v) -> dict:
@@ -137,7 +153,7 @@ def setup_tracing(service_name: str = "kiln", exporter: Optional[SpanExporter] =
     with _lock:
         provider = trace.get_tracer_provider()
         if not _configured or not isinstance(provider, TracerProvider):
-            provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+            provider = _Provider(resource=Resource.create({"service.name": service_name}))
             trace.set_tracer_provider(provider)
             _configured = True
             if exporter is None:

@@ -94,6 +94,21 @@ def test_trace_spans_cover_iterations_candidates_kernels_and_runs(traced):
     assert all(re.fullmatch(r"[0-9a-f]{64}/\d+", k["attributes"]["kiln.source"]) for k in kernels)
 
 
+def test_library_spans_are_left_out_unless_asked_for(traced, monkeypatch):
+    """egglog traces every rule registration and run itself (thousands of spans per compile, and
+    a slower search under an exporter): none is recorded unless KILN_TRACE_LIBRARIES=1."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import Tracer
+
+    _, mine, _ = traced
+    assert not [s for s in mine if s.instrumentation_scope.name.startswith("egglog")]
+    assert any(s.name == "optimizer.iteration" for s in mine)  # the search ran in this trace
+    provider = trace.get_tracer_provider()
+    assert isinstance(provider.get_tracer("egglog.egraph"), trace.NoOpTracer)
+    monkeypatch.setenv("KILN_TRACE_LIBRARIES", "1")
+    assert isinstance(provider.get_tracer("egglog.egraph"), Tracer)
+
+
 def test_each_run_is_its_own_trace_naming_its_bundle(traced, span_exporter):
     compiled, _, _ = traced
     spans = span_exporter.get_finished_spans()

@@ -11,7 +11,6 @@ Comparisons and Mod read only inputs and constants, so a reassociated rounding c
 flip a branch and turn a few ulp into a wrong-looking answer.
 """
 
-import gc
 import os
 
 import numpy as np
@@ -25,6 +24,8 @@ from kiln.ir.dtypes import DType
 from kiln.ir.evaluate import evaluate
 from kiln.ir.ops import Op
 from optimizer_svc.saturate import SearchLimits, saturate
+
+pytestmark = pytest.mark.slow(minutes=7)  # its file starts first under make test
 
 N = 4
 SHAPE = (N, N)
@@ -90,16 +91,6 @@ def build(steps):
         vals.append(r)
     outs = [vals[-1]] if len(vals) < 4 else [vals[-1], vals[len(vals) // 2]]
     return b.build(outs)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def frozen_heap():
-    """Each saturation ends with a gc.collect (saturate.py); freezing what earlier tests left in
-    this process keeps those collections to the objects the saturation made."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 # random graphs per run: `make test` (and CI) 500; `make test-unit`, the fast loop, sets fewer
