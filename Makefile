@@ -31,10 +31,10 @@ $(CHROMIUM):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 
 # every tier: tests/unit (no servers), tests/stages, tests/system (farm, load, hostile input, deploy);
-# two test processes at a time (most tests compile: one core each), then the ones that time
-# things or start a farm, alone
+# two test processes at a time (most tests compile: one core each), the files marked slow first
+# (tests/conftest.py), then the ones that time things or start a farm, alone
 test: setup $(CHROMIUM)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=20 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" --durations=20 tests
 	$(PY) -m pytest -q -m serial --durations=10 tests
 
 # the fast loop: no servers, no S3, a few minutes (the optimizer's property test draws 100 random

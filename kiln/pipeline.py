@@ -45,7 +45,7 @@ def default_candidates() -> int:
     return n
 
 
-CHOOSE_REPEATS = 20
+CHOOSE_REPEATS = 20  # interleaved rounds a choice times its candidates (Pipeline.choose_repeats)
 CHOOSE_VERSION = "choose-4"  # 4: chosen by paired ratios, recorded in the report
 
 
@@ -87,6 +87,7 @@ class Pipeline:
                 addresses[s] = env
         self.addresses = addresses
         self.timeout = timeout
+        self.choose_repeats = CHOOSE_REPEATS  # rounds that time a compile's candidates: fewer is quicker, noisier
         self._local = LocalStages(self.store)
         remote = RemoteStages(self.store, addresses, timeout) if addresses else None
         self._stages: dict[str, Stages] = {s: remote if s in addresses else self._local for s in STAGES}
@@ -185,8 +186,10 @@ class Pipeline:
         kgs = [Digest.from_pb(c.kernel_graph) for c in report.candidates]
         # keyed by the emitted bundles: new generated code is timed again (emit is cached)
         bundles = [self.emit(d, target, c.block, c.tile)[0] for d, c in zip(kgs, report.candidates)]
-        key = cache.action_key("choose", CHOOSE_VERSION, {f"candidate{i}": d for i, d in enumerate(bundles)},
-                               {"target": target, "fingerprint": fingerprint})
+        params = {"target": target, "fingerprint": fingerprint}
+        if self.choose_repeats != CHOOSE_REPEATS:  # a choice timed in fewer rounds is not the default's
+            params["repeats"] = self.choose_repeats
+        key = cache.action_key("choose", CHOOSE_VERSION, {f"candidate{i}": d for i, d in enumerate(bundles)}, params)
         hit = cache.lookup(self.store, key)
         if hit is not None:  # the timings are the bundles'; the rest of the report is this optimize's
             timed = self.store.get_message(hit["report"], services_pb2.OptimizeReport)
@@ -197,7 +200,7 @@ class Pipeline:
             out.kernels, out.others_busy = timed.kernels, timed.others_busy
             return hit["kernel_graph"], out
         with span("kiln.choose", **{"kiln.candidates": len(kgs)}) as s:
-            timings = self.profile(bundles, manifest, repeats=CHOOSE_REPEATS)
+            timings = self.profile(bundles, manifest, repeats=self.choose_repeats)
             # by paired ratios, not medians: a machine that slows for part of the timing moves
             # medians but not the ratios within a round (executor.paired_ratios)
             best = min(range(len(kgs)), key=lambda i: (timings[i][3], timings[i][1]))

@@ -204,3 +204,15 @@ def executor_server(store_dir):
     server, port = build_server([(servicer.add_to_server, servicer.SERVICE_NAME)], 0)
     yield f"127.0.0.1:{port}", servicer
     server.stop(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with a test marked `slow(minutes=N)` run first, longest first: two test processes
+    share the files (make test: pytest-xdist, a file at a time, in this order with
+    --no-loadscope-reorder), and a long file started last finishes alone."""
+    minutes: dict = {}
+    for item in items:
+        mark = item.get_closest_marker("slow")
+        if mark is not None:
+            minutes[item.path] = max(minutes.get(item.path, 0), mark.kwargs.get("minutes", 1))
+    items.sort(key=lambda item: -minutes.get(item.path, 0))  # stable: otherwise in collection order

@@ -3,7 +3,9 @@
 For each OpInfo whose ATen name has a lowering, up to N float32 samples are exported, lowered
 and evaluated with the IR's reference semantics, and compared with torch eager; each sample that
 lowers is then compiled (search on, the cost model's pick) and run through the generated CPU
-kernels, and compared again. Each sample ends, on each path, as `pass`, `mismatch` (a wrong
+kernels, and compared again: an op's passing samples as one program (one compile per op), each
+sample alone again when that program fails or is wrong anywhere, so every result is the sample's
+own. Each sample ends, on each path, as `pass`, `mismatch` (a wrong
 answer: always a bug), `error` (a kiln bug) or `unsupported` (kiln refused it with
 FAILED_PRECONDITION, e.g. an argument combination with no lowering).
 
@@ -13,17 +15,17 @@ FAILED_PRECONDITION, e.g. an argument combination with no lowering).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import warnings
 from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class SampleResult:
     op: str
     status: str          # reference evaluator: pass | mismatch | unsupported | error (a kiln bug) | export-error
@@ -43,19 +45,42 @@ def _compare(outs, refs) -> tuple[str, str]:
     return "pass", ""
 
 
-def _run_kernels(pipeline, ep, x, refs) -> tuple[str, str]:
-    """The exported sample compiled and run through the generated CPU kernels, against torch."""
+def _run_kernels(pipeline, ep, xs, refs) -> list[tuple[str, str]]:
+    """The exported program `ep` (inputs `xs`) compiled (search on) and run through the generated
+    CPU kernels; the outputs of each of its calls (refs: torch's, one list per call) compared
+    with torch: a (result, detail) per call."""
     from kiln.core.errors import FailedPrecondition, KilnError
+    from kiln.v1 import ir_pb2
 
     try:
         r = pipeline.compile_program(pipeline.upload_program(ep), search=True, candidates=1)
         session = pipeline.load(r.bundle, r.manifest)
-        outs = [a for _, a in pipeline.run(session, [("x", x.detach().numpy())])]
+        names = [t.name for t in pipeline.store.get_message(r.bundle, ir_pb2.Bundle).inputs]
+        outs = [a for _, a in pipeline.run(session, [(n, x.detach().numpy()) for n, x in zip(names, xs)])]
     except FailedPrecondition as e:
-        return "unsupported", str(e)[:160]
+        return [("unsupported", str(e)[:160])] * len(refs)
     except (KilnError, AssertionError, ValueError, IndexError) as e:
-        return "error", f"{type(e).__name__}: {str(e)[:160]}"
-    return _compare(outs, refs)
+        return [("error", f"{type(e).__name__}: {str(e)[:160]}")] * len(refs)
+    if len(outs) != sum(len(r) for r in refs):
+        return [("mismatch", f"{len(outs)} outputs, torch gives {sum(len(r) for r in refs)}")] * len(refs)
+    results, at = [], 0
+    for r in refs:
+        results.append(_compare(outs[at:at + len(r)], r))
+        at += len(r)
+    return results
+
+
+def _run_batch(pipeline, lowered: list["_Lowered"]) -> list[tuple[str, str]]:
+    """Several samples of one op through the kernels as one program (one compile, not one each)."""
+    calls = _Calls([x.module for x in lowered])
+    xs = [x.x for x in lowered]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(calls, tuple(xs))
+    except Exception as e:  # noqa: BLE001 - each sample alone exported; the caller runs them so
+        return [("error", f"the samples together do not export: {type(e).__name__}")] * len(lowered)
+    return _run_kernels(pipeline, ep, xs, [x.refs for x in lowered])
 
 
 def registry_ops() -> list[str]:
@@ -81,7 +106,34 @@ class _Call(torch.nn.Module):
         return self.fn(x, *self.args, **self.kwargs)
 
 
-def run_sample(opinfo, sample, pipeline=None) -> SampleResult:
+class _Calls(torch.nn.Module):
+    """Several samples of one op as one program: input i is sample i's first argument; the
+    outputs are each call's tensors in turn."""
+
+    def __init__(self, calls: list[_Call]):
+        super().__init__()
+        self.calls = torch.nn.ModuleList(calls)
+
+    def forward(self, *xs):
+        outs = []
+        for call, x in zip(self.calls, xs):
+            outs += [r for r in torch.utils._pytree.tree_leaves(call(x)) if isinstance(r, torch.Tensor)]
+        return tuple(outs)
+
+
+@dataclasses.dataclass
+class _Lowered:
+    """A sample that the reference evaluator ran: what the kernel path needs."""
+    result: SampleResult
+    module: _Call
+    ep: torch.export.ExportedProgram
+    x: torch.Tensor
+    refs: list
+
+
+def _evaluate(opinfo, sample):
+    """The sample through the importer and the reference evaluator: a SampleResult when it went
+    no further, else _Lowered."""
     from importer_svc.importer import lower_program
     from kiln.core.errors import FailedPrecondition, InvalidArgument, KilnError
     from kiln.ir.evaluate import evaluate
@@ -111,8 +163,27 @@ def run_sample(opinfo, sample, pipeline=None) -> SampleResult:
         return SampleResult(opinfo.name, "error", f"{type(e).__name__}: {str(e)[:160]}")
     refs = [r for r in torch.utils._pytree.tree_leaves(ref) if isinstance(r, torch.Tensor)]
     status, detail = _compare(outs, refs)
-    kernels, kernels_detail = _run_kernels(pipeline, ep, x, refs) if pipeline is not None else ("", "")
-    return SampleResult(opinfo.name, status, detail, kernels, kernels_detail)
+    return _Lowered(SampleResult(opinfo.name, status, detail), module, ep, x, refs)
+
+
+def run_op(opinfo, samples, pipeline=None) -> list[SampleResult]:
+    """An OpInfo's samples on both paths. The kernel path compiles the samples that the evaluator
+    passed as one program (one compile per op, not per sample); if that program fails or any of
+    its samples is wrong, each sample is compiled on its own, so each result is its own."""
+    lowered = [_evaluate(opinfo, s) for s in samples]
+    if pipeline is None:
+        return [x.result if isinstance(x, _Lowered) else x for x in lowered]
+    batch = [x for x in lowered if isinstance(x, _Lowered) and x.result.status == "pass"]
+    batched = _run_batch(pipeline, batch) if len(batch) > 1 else []
+    done = {id(x): r for x, r in zip(batch, batched)} if all(r[0] == "pass" for r in batched) else {}
+    results = []
+    for x in lowered:
+        if not isinstance(x, _Lowered):
+            results.append(x)
+            continue
+        (kernels, detail), = [done[id(x)]] if id(x) in done else _run_kernels(pipeline, x.ep, [x.x], [x.refs])
+        results.append(dataclasses.replace(x.result, kernels=kernels, kernels_detail=detail))
+    return results
 
 
 def run_suite(max_samples: int = 3, kernels: bool = True) -> list[SampleResult]:
@@ -130,8 +201,7 @@ def run_suite(max_samples: int = 3, kernels: bool = True) -> list[SampleResult]:
             if torch.float32 not in opinfo.supported_dtypes("cpu"):
                 continue
             samples = list(opinfo.sample_inputs("cpu", torch.float32, requires_grad=False))[:max_samples]
-            for sample in samples:
-                results.append(run_sample(opinfo, sample, pipeline))
+            results += run_op(opinfo, samples, pipeline)
     return results
 
 

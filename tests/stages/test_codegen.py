@@ -10,6 +10,8 @@ from codegen_svc.targets.cpu.rows import ONLINE_SOFTMAX_MIN_ROW
 from kiln.v1 import ir_pb2
 from helpers import Fn, pairs
 
+pytestmark = pytest.mark.slow(minutes=7)  # its file starts first under make test
+
 
 
 def _kinds(pipeline, compiled):

@@ -19,6 +19,8 @@ from kiln.ir.serialize import graph_to_pb
 from kiln.v1 import ir_pb2
 from helpers import Fn, pairs
 
+pytestmark = pytest.mark.slow(minutes=5)  # its file starts first under make test
+
 TOL = dict(rtol=1e-4, atol=1e-5)  # the CPU target's
 
 
@@ -30,6 +32,13 @@ def _kinds(pipeline, compiled) -> list[str]:
 
 def _cuda(module, args, pipeline):
     return kiln.compile(module, args, target="cuda", pipeline=pipeline, candidates=1)
+
+
+def _small(seed: int):
+    """A two-kernel model with weights, for tests about sessions and transport rather than
+    kernels (the simulator runs every GPU thread in Python: the MLP's take seconds)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU()).eval(), (torch.randn(3, 8),)
 
 
 def test_elementwise_gather_gemm_reduce_kernels(local_pipeline):
@@ -150,7 +159,7 @@ def test_tiny_llama(local_pipeline):
 
 
 def test_weights_are_uploaded_once_per_session(local_pipeline):
-    model, inputs = mlp_example(seed=3)
+    model, inputs = _small(seed=3)
     compiled = _cuda(model, inputs, local_pipeline)
     session = local_pipeline.local_executor().session(compiled.session)
     # device arrays (the simulator's too) copy back to the host; numpy arrays do not
@@ -165,6 +174,7 @@ def test_launch_shapes_are_timed_candidates_and_the_fastest_is_kept(local_pipeli
     (threads per block, GEMM tile) and keeps the fastest of all; the bundle is emitted with it."""
     w = torch.randn(8, 4)
     model, inputs = Fn(lambda x: torch.softmax(torch.relu(x @ w), -1)), (torch.randn(3, 8),)
+    local_pipeline.choose_repeats = 3  # the simulator's timings mean nothing: the choice is what is tested
     compiled = kiln.compile(model, inputs, target="cuda", pipeline=local_pipeline, candidates=2)
     cands = compiled.result.report.candidates
     shapes = {(c.block, c.tile) for c in cands}
@@ -182,7 +192,7 @@ def test_launch_shapes_are_timed_candidates_and_the_fastest_is_kept(local_pipeli
 
 
 def test_cuda_over_grpc_and_half_precision_refused(remote_pipeline):
-    model, inputs = mlp_example(seed=4)
+    model, inputs = _small(seed=4)
     compiled = _cuda(model, inputs, remote_pipeline)
     with torch.no_grad():
         assert torch.allclose(compiled(*inputs), model(*inputs), **TOL)

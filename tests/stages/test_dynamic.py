@@ -12,6 +12,8 @@ from kiln.core.errors import InvalidArgument
 from kiln.apps.examples import encoder_example, mlp_example
 from helpers import Fn, pairs
 
+pytestmark = pytest.mark.slow(minutes=3)  # its file starts first under make test
+
 
 def test_encoder_with_symbolic_batch_and_seq(local_pipeline):
     model, (x,) = encoder_example()

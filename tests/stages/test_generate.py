@@ -14,6 +14,8 @@ import torch
 
 from kiln.core import errors
 
+pytestmark = pytest.mark.slow(minutes=4)  # its file starts first under make test
+
 NEW = 64
 
 

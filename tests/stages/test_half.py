@@ -23,6 +23,8 @@ from kiln.apps.examples import MLP, SmallResNet
 from kiln.hf import ModelOutputTensor
 from helpers import bert as _bert, llama as _llama
 
+pytestmark = pytest.mark.slow(minutes=5)  # its file starts first under make test
+
 MANTISSA = {torch.float16: 10, torch.bfloat16: 7}
 
 

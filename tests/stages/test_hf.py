@@ -15,6 +15,8 @@ import kiln
 from helpers import bert as _bert, gpt2 as _gpt2, llama as _llama
 from kiln.hf import ModelOutputTensor as Logits
 
+pytestmark = pytest.mark.slow(minutes=7)  # its file starts first under make test
+
 
 @pytest.mark.parametrize("build", [_llama, _gpt2, _bert], ids=["llama", "gpt2", "bert"])
 def test_hf_model_matches_eager(local_pipeline, build):

@@ -4,7 +4,11 @@ the generated CPU kernels; docs/ops.md is their output."""
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from opsuite import render, run_suite
+
+pytestmark = pytest.mark.slow(minutes=12)  # its file starts first under make test
 
 
 def test_opinfo_samples_give_no_wrong_answers_and_docs_are_generated():

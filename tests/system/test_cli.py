@@ -10,6 +10,8 @@ from helpers import kiln_cli
 from kiln.apps.examples import mlp_example
 from kiln.apps.s3local import free_port
 
+pytestmark = pytest.mark.slow(minutes=3)  # its file starts first under make test
+
 
 @pytest.fixture(scope="module")
 def compiled_mlp(tmp_path_factory):

@@ -21,6 +21,8 @@ from kiln.rpc.tensors import array_from_pb, array_to_pb
 from kiln.v1 import ir_pb2, services_pb2
 from helpers import Server
 
+pytestmark = pytest.mark.slow(minutes=3)  # its file starts first under make test
+
 # every RPC: (full method name, request type, server-streaming)
 METHODS = [(f"/kiln.v1.{svc.name}/{m.name}", m.input_type._concrete_class, m.server_streaming)
            for svc in services_pb2.DESCRIPTOR.services_by_name.values() for m in svc.methods]
