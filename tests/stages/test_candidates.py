@@ -49,6 +49,7 @@ def test_candidates_are_timed_and_the_fastest_is_kept(pipeline):
         assert [c.measured_s for c in again.result.report.candidates] != [c.measured_s for c in cands]
 
 
+@pytest.mark.serial  # a calibration measured under load is not cached yet: the next compile's candidates differ
 def test_a_choice_timed_on_a_busy_machine_is_used_not_cached(local_pipeline, monkeypatch):
     """Profile reports how much of the CPUs other processes took while it timed (CpuLoad);
     above CONTENDED the compile keeps its choice but does not record it, so the next compile

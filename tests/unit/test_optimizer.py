@@ -210,7 +210,8 @@ def test_the_native_egraph_is_freed_where_the_search_ran_without_a_collection(mo
     from optimizer_svc import saturate as saturate_module
 
     def holding():
-        return [o for o in gc.get_objects() if isinstance(o, EGraphState) and getattr(o, "egraph", None) is not None]
+        # by exact type: isinstance on a dead weak proxy among the objects raises
+        return [o for o in gc.get_objects() if type(o) is EGraphState and getattr(o, "egraph", None) is not None]
 
     collections = []
     monkeypatch.setattr(saturate_module, "gc", types.SimpleNamespace(collect=lambda: collections.append(1)))
