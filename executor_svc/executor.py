@@ -235,8 +235,10 @@ class Executor:
         self._weights: "weakref.WeakValueDictionary[str, np.ndarray]" = weakref.WeakValueDictionary()
         self._batchers: dict[Digest, object] = {}
 
-    def open(self, bundle_d: Digest, manifest_d: Digest, sid: Optional[str] = None) -> Session:
-        """A session for the bundle with its weights bound, not yet registered."""
+    def open(self, bundle_d: Digest, manifest_d: Digest, sid: Optional[str] = None, host_loop: bool = False) -> Session:
+        """A session for the bundle with its weights bound, not yet registered. With host_loop its
+        entry is the entry's Python function, which calls the compiled kernels one by one (see
+        profile): nothing but the kernels is compiled."""
         with span("executor.load", **{"kiln.bundle": str(bundle_d), "kiln.manifest": str(manifest_d)}):
             bundle = self.store.get_message(bundle_d, ir_pb2.Bundle)
             open_device = DEVICES.get(bundle.target)
@@ -291,7 +293,10 @@ class Executor:
             if device is not None:  # uploaded once; every run of the session reads them there
                 weights = [device.to_device(w) for w in weights]
             mod = load_bundle_module(bundle_d, bundle)
-            return Session(sid or session_id(bundle_d, manifest_d), bundle_d, getattr(mod, bundle.entry),
+            fn = getattr(mod, bundle.entry)
+            if host_loop:  # a numba entry's own Python function (a CUDA entry is one already)
+                fn = getattr(fn, "py_func", fn)
+            return Session(sid or session_id(bundle_d, manifest_d), bundle_d, fn,
                            tuple(tensor_spec_from_pb(t) for t in bundle.inputs),
                            tuple(tensor_spec_from_pb(t) for t in bundle.outputs),
                            tuple(weights), threading.Lock(),
@@ -386,13 +391,21 @@ class Executor:
         relative, others' share of the machine while it was timed; see paired_ratios and
         others_busy). Runs are interleaved round-robin, so every candidate sees the same machine
         state, and each timed run comes right after one of the same candidate, so it starts from
-        its own cache state."""
+        its own cache state.
+
+        Each candidate runs its compiled kernels from its entry's Python function, not from a
+        compiled entry: numba compiles an entry by linking every kernel it calls into it and
+        optimizing and emitting that whole module again (5-6 s for a 2-layer GPT-2's 93 kernel
+        calls whose kernels were already compiled, against 0.1 s to call them from Python), and a
+        candidate that loses never needs one. The chosen program's entry is compiled once, when
+        it first runs. Calling from Python adds about 1-2 us per kernel call, alike in every
+        candidate with as many calls (and where there are fewer, they do cost less)."""
         if not bundles:
             raise InvalidArgument("Profile needs at least one bundle")
         if not 1 <= repeats <= 10_000:
             raise InvalidArgument(f"repeats must be in 1..10000, got {repeats}")
         # private sessions: timing candidates never evicts a client's session
-        sessions = [self.open(b, manifest) for b in bundles]
+        sessions = [self.open(b, manifest, host_loop=True) for b in bundles]
         first = sessions[0]
         env = {}
         for name, lo, hi in first.symbols:

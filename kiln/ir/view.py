@@ -114,13 +114,48 @@ def compose(inner: ViewSpec, outer: ViewSpec) -> Optional[ViewSpec]:
     if not (is_static(inner.shape) and is_static(outer.shape) and is_static(inner.strides)
             and is_static(outer.strides) and isinstance(outer.offset, int)
             and isinstance(inner.offset, int)):
-        return None
+        return _compose_axes(inner, outer)
     if outer.mask is None and outer.offset == 0 and outer.strides == contiguous_strides(outer.shape):
         if inner.mask is not None:
             return None
         strides = _reshape_strides(inner.shape, inner.strides, outer.shape)
         return None if strides is None else ViewSpec(outer.shape, strides, inner.offset)
     return _compose_aligned(inner, outer)
+
+
+def _full(mask, shape) -> bool:
+    return mask is None or all(lo == 0 and hi == d for (lo, hi), d in zip(mask, shape))
+
+
+def _compose_axes(inner: ViewSpec, outer: ViewSpec) -> Optional[ViewSpec]:
+    """compose() where sizes are symbolic: an outer view each of whose axes is one whole axis of
+    inner (a permute), a broadcast (stride 0) or of size 1, with no offset. A Conv1D's [K, N]
+    weight transposed, reshaped and broadcast over a sequence of any length is then one strided
+    view, which a GEMM reads in place instead of packing a copy on every call. Else None."""
+    if outer.offset != 0:
+        return None
+    cs = contiguous_strides(inner.shape)
+    strides: list[Dim] = []
+    of: dict[int, int] = {}  # inner axis -> the outer axis that walks it
+    for k, (n, t) in enumerate(zip(outer.shape, outer.strides)):
+        if n == 1 or t == 0:
+            strides.append(0)
+            continue
+        m = next((m for m, (d, c) in enumerate(zip(inner.shape, cs)) if d == n and c == t), None)
+        if m is None or m in of:
+            return None
+        of[m] = k
+        strides.append(inner.strides[m])
+    mask = None if _full(outer.mask, outer.shape) else list(outer.mask)
+    if not _full(inner.mask, inner.shape):
+        mask = mask or [(0, n) for n in outer.shape]
+        for m, ((lo, hi), d) in enumerate(zip(inner.mask, inner.shape)):
+            if lo == 0 and hi == d:
+                continue
+            if m not in of or mask[of[m]] != (0, d):
+                return None  # a padded axis read back by a broadcast or under a mask of outer's own
+            mask[of[m]] = (lo, hi)
+    return ViewSpec(outer.shape, tuple(strides), inner.offset, None if mask is None else tuple(mask))
 
 
 def _reshape_strides(shape, strides, new_shape):

@@ -116,6 +116,64 @@ def test_view_composition_composes_common_cases():
     assert c is not None and c.strides == (0, 1, 4)
 
 
+def _symbolic_chain(rng):
+    """A source shape whose first dim is the symbol s and a random chain of permutes,
+    broadcasts and pads over it: the views a sequence of any length goes through (a Conv1D
+    weight broadcast over it, an attention's keys transposed and read per head)."""
+    s = Sym.named("s")
+    src = shape = (s,) + tuple(int(x) for x in rng.integers(2, 4, size=int(rng.integers(1, 3))))
+    chain = []
+    for _ in range(4):
+        kind = rng.choice(["permute", "expand", "pad"])
+        if kind == "permute":
+            v = views.permute(shape, tuple(int(p) for p in rng.permutation(len(shape))))
+        elif kind == "expand":
+            v = views.expand(shape, (2,) + tuple(shape))
+        else:
+            v = views.pad(shape, tuple((int(rng.integers(0, 2)), int(rng.integers(0, 2)))
+                                       if isinstance(d, int) else (0, 0) for d in shape))
+        chain.append(v)
+        shape = v.shape
+    return src, chain
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_symbolic_view_composition_matches_chained_views(seed):
+    """compose() over symbolic sizes (axis by axis: permutes, broadcasts, pads) reads what the
+    chain reads, at several lengths (always compared)."""
+    rng = np.random.default_rng(seed)
+    src, chain = _symbolic_chain(rng)
+    for n in (1, 2, 5):
+        env = {"s": n}
+        x = rng.standard_normal(tuple(n if isinstance(d, Sym) else d for d in src)).astype(np.float32)
+        expected = x
+        for v in chain:
+            expected = apply_view(expected, v, env)
+        got = x
+        for v in _segments(chain):
+            got = apply_view(got, v, env)
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_symbolic_views_compose():
+    """A Conv1D's [K, N] weight transposed, unsqueezed and broadcast over a sequence of any
+    length is one strided view (its GEMM reads the weight in place); most of the seeded
+    symbolic chains compose (so the comparison above is not vacuous); a padded axis read by a
+    broadcast is left as two views."""
+    s = Sym.named("s")
+    c = views.compose(views.compose(views.permute((4, 6), (1, 0)), views.reshape((6, 4), (1, 6, 4))),
+                      views.expand((1, 6, 4), (s, 6, 4)))
+    assert c is not None and c.strides == (0, 1, 6) and c.shape == (s, 6, 4)
+    pairs = composed = 0
+    for seed in range(40):
+        _, chain = _symbolic_chain(np.random.default_rng(seed))
+        pairs += len(chain) - 1
+        composed += len(chain) - len(_segments(chain))
+    assert composed >= pairs // 2, (composed, pairs)
+    padded = views.pad((s, 1), ((0, 0), (1, 0)))
+    assert views.compose(padded, views.ViewSpec((s, 3), (2, 0))) is None
+
+
 def _small_graph():
     b = GraphBuilder()
     x = b.input("x", (2, 3), DType.F32)
