@@ -36,6 +36,12 @@ from kiln.core.telemetry import child_span, span, start_span, untraced
 from kiln.v1 import ir_pb2
 
 MAX_SESSIONS = 64  # least recently used sessions beyond this are evicted
+# a session's first runs call its compiled kernels from its entry's Python function; the compiled
+# entry, which numba builds by linking every kernel into it and optimizing and emitting the whole
+# again (5-6 s for a 2-layer GPT-2's 93 kernel calls whose kernels were compiled already), runs
+# from the next one on. A program run once or twice (a check after a compile, a calibration) never
+# waits for it; Python between kernels costs about 1-2 us per kernel call until then.
+HOST_RUNS = 2
 
 
 def cuda_device():
@@ -178,6 +184,9 @@ class Session:
     symbols: tuple[tuple[str, int, int], ...] = ()
     memory: Optional[MemoryNeed] = None  # checked per run when symbols size it
     device: object = None  # numba.cuda for a cuda bundle (weights live on the device), else None
+    host: object = None  # the entry's Python function (a cuda entry is one already): see HOST_RUNS
+    host_only: bool = False  # every run from Python (timing candidates)
+    runs: int = 0
 
     def __post_init__(self):
         # a signature without symbols or 16-bit floats is checked and returned by plain
@@ -235,10 +244,10 @@ class Executor:
         self._weights: "weakref.WeakValueDictionary[str, np.ndarray]" = weakref.WeakValueDictionary()
         self._batchers: dict[Digest, object] = {}
 
-    def open(self, bundle_d: Digest, manifest_d: Digest, sid: Optional[str] = None, host_loop: bool = False) -> Session:
-        """A session for the bundle with its weights bound, not yet registered. With host_loop its
-        entry is the entry's Python function, which calls the compiled kernels one by one (see
-        profile): nothing but the kernels is compiled."""
+    def open(self, bundle_d: Digest, manifest_d: Digest, sid: Optional[str] = None,
+             host_only: bool = False) -> Session:
+        """A session for the bundle with its weights bound, not yet registered; with host_only
+        its compiled entry is never built (see HOST_RUNS)."""
         with span("executor.load", **{"kiln.bundle": str(bundle_d), "kiln.manifest": str(manifest_d)}):
             bundle = self.store.get_message(bundle_d, ir_pb2.Bundle)
             open_device = DEVICES.get(bundle.target)
@@ -292,16 +301,13 @@ class Executor:
                     weights.append(bound(spec))
             if device is not None:  # uploaded once; every run of the session reads them there
                 weights = [device.to_device(w) for w in weights]
-            mod = load_bundle_module(bundle_d, bundle)
-            fn = getattr(mod, bundle.entry)
-            if host_loop:  # a numba entry's own Python function (a CUDA entry is one already)
-                fn = getattr(fn, "py_func", fn)
+            fn = getattr(load_bundle_module(bundle_d, bundle), bundle.entry)
             return Session(sid or session_id(bundle_d, manifest_d), bundle_d, fn,
                            tuple(tensor_spec_from_pb(t) for t in bundle.inputs),
                            tuple(tensor_spec_from_pb(t) for t in bundle.outputs),
                            tuple(weights), threading.Lock(),
                            tuple((s.name, s.min, s.max) for s in bundle.symbols),
-                           memory if bundle.symbols else None, device)
+                           memory if bundle.symbols else None, device, getattr(fn, "py_func", fn), host_only)
 
     def load(self, bundle_d: Digest, manifest_d: Digest) -> str:
         s = self.open(bundle_d, manifest_d)
@@ -347,8 +353,10 @@ class Executor:
             with s.lock:  # buffers in the entry are per call, but numba's first call compiles
                 if s.device is not None:
                     args = [s.device.to_device(np.ascontiguousarray(a)) for a in args]
+                entry = s.host if s.host_only or s.runs < HOST_RUNS else s.entry
+                s.runs += 1
                 try:
-                    outs = s.entry(*args, *s.weights, *sym_args, pool_threads())
+                    outs = entry(*args, *s.weights, *sym_args, pool_threads())
                 except IndexError as e:  # raised by generated Gather/Scatter bounds checks
                     raise InvalidArgument(f"an input holds an out-of-range index: {e}") from e
                 if s.device is not None:
@@ -393,19 +401,18 @@ class Executor:
         state, and each timed run comes right after one of the same candidate, so it starts from
         its own cache state.
 
-        Each candidate runs its compiled kernels from its entry's Python function, not from a
-        compiled entry: numba compiles an entry by linking every kernel it calls into it and
-        optimizing and emitting that whole module again (5-6 s for a 2-layer GPT-2's 93 kernel
-        calls whose kernels were already compiled, against 0.1 s to call them from Python), and a
-        candidate that loses never needs one. The chosen program's entry is compiled once, when
-        it first runs. Calling from Python adds about 1-2 us per kernel call, alike in every
-        candidate with as many calls (and where there are fewer, they do cost less)."""
+        Every run calls the candidate's compiled kernels from its entry's Python function
+        (host_only): a losing candidate never waits for a compiled entry (HOST_RUNS; 5-6 s each
+        for a 2-layer GPT-2's programs, against 0.1 s to call their kernels from Python), and
+        kernels that candidates share are compiled once. Python between kernels adds about
+        1-2 us per kernel call, alike in every candidate with as many calls (and where there are
+        fewer, they do cost less)."""
         if not bundles:
             raise InvalidArgument("Profile needs at least one bundle")
         if not 1 <= repeats <= 10_000:
             raise InvalidArgument(f"repeats must be in 1..10000, got {repeats}")
         # private sessions: timing candidates never evicts a client's session
-        sessions = [self.open(b, manifest, host_loop=True) for b in bundles]
+        sessions = [self.open(b, manifest, host_only=True) for b in bundles]
         first = sessions[0]
         env = {}
         for name, lo, hi in first.symbols:

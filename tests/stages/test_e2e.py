@@ -202,6 +202,31 @@ def test_least_recently_used_session_is_evicted_and_reloads_on_use(local_pipelin
     assert set(executor.sessions) == {compiled.session, third}  # still at most two, most recent kept
 
 
+def test_first_runs_call_the_kernels_from_python_then_the_compiled_entry(local_pipeline):
+    """A session's first HOST_RUNS runs call its compiled kernels from the entry's Python
+    function, and numba does not build the entry; the next run does, and gives the same outputs
+    (to the last bits the entry's own optimization may move)."""
+    from executor_svc.executor import HOST_RUNS
+
+    model, inputs = encoder_example()
+    compiled = kiln.compile(model, inputs, pipeline=local_pipeline)
+    executor = local_pipeline.local_executor()
+    session = executor.open(compiled.result.bundle, compiled.result.manifest)
+    feeds = [("x", inputs[0].numpy())]
+    ref = model(*inputs).detach().numpy()
+    calls, entry, host = [], session.entry, session.host
+    session.entry = lambda *a: calls.append("entry") or entry(*a)
+    session.host = lambda *a: calls.append("host") or host(*a)
+    built = len(entry.signatures)  # another test in this process may have run this bundle already
+    first = [executor.run_session(session, feeds)[0][1] for _ in range(HOST_RUNS)]
+    assert calls == ["host"] * HOST_RUNS and len(entry.signatures) == built
+    compiled_out = executor.run_session(session, feeds)[0][1]
+    assert calls[-1] == "entry" and len(entry.signatures) == 1
+    for out in first + [compiled_out]:
+        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(compiled_out, first[0], rtol=1e-6, atol=1e-7)
+
+
 def test_resnet_style_cnn_matches_eager(local_pipeline):
     model, inputs = resnet_example()
     compiled = kiln.compile(model, inputs, pipeline=local_pipeline)
