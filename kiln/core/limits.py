@@ -10,15 +10,16 @@ from pathlib import Path
 from typing import Optional
 
 # other processes' share of the CPUs above which a timing (a compile's choice among candidates,
-# a machine's calibration) is used but not cached: a test suite beside a BERT compile made it
-# keep the program without attention, 7% slower on a quiet machine
+# a machine's calibration) counts as contended: it is cached with how busy the machine was, and a
+# later timing on a quieter machine replaces it (a test suite beside a BERT compile made it keep
+# the program without attention, 7% slower on a quiet machine)
 CONTENDED = 0.25
 
 
 def contended_share() -> float:
-    """The share above which a timing is not cached: KILN_CONTENDED (0..1), default CONTENDED.
-    A node that is always that busy (a farm node serving traffic) may raise it; 1 caches every
-    measurement, however busy the machine was."""
+    """The share above which a timing is contended: KILN_CONTENDED (0..1), default CONTENDED. A
+    node that is always that busy (a farm node serving traffic) may raise it; 1 counts no
+    measurement as contended, however busy the machine was."""
     v = os.environ.get("KILN_CONTENDED", "")
     if not v:
         return CONTENDED
@@ -57,8 +58,8 @@ class CpuLoad:
     less this process's own CPU time (getrusage), over the wall time the CPUs had. Paired
     ratios absorb a machine that is slower for a while as a whole; they do not absorb another
     process that takes one of two cores from some candidates' runs more than from others'.
-    A choice timed, or a machine measured, while that happened is not cached
-    (Pipeline.choose, executor_svc.calibrate)."""
+    A choice timed, or a machine measured, while that happened is cached with that share, and
+    taken again when the machine is quieter (Pipeline.choose, executor_svc.calibrate)."""
 
     def __init__(self):
         self._start = (time.monotonic(), _busy_seconds(), _own_seconds())  # not the timings' clock
@@ -77,6 +78,15 @@ class CpuLoad:
             return 0.0
         others = busy - busy0 - (_own_seconds() - own0) - 2 * cpus / os.sysconf("SC_CLK_TCK")
         return others / (wall * cpus)
+
+
+def quieter_now(than: float, seconds: float = 0.25) -> bool:
+    """Whether other processes take less of the CPUs now (over `seconds`) than `than` and no more
+    than contended_share(): a contended timing in the cache is then worth taking again."""
+    load = CpuLoad()
+    time.sleep(seconds)
+    now = load.others_busy()
+    return now < than and now <= contended_share()
 
 
 def _busy_seconds() -> Optional[float]:

@@ -4,10 +4,6 @@ import json
 import math
 
 from helpers import kiln_cli
-import pytest
-
-# times candidates or machines, or starts a farm: run alone (make test's second pass)
-pytestmark = pytest.mark.serial
 
 
 def test_bench_mlp_writes_json_and_chart(tmp_path):

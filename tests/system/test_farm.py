@@ -23,9 +23,9 @@ from kiln.apps.examples import Encoder, mlp_example
 from kiln.cas.store import S3Store
 from kiln.core.telemetry import read_spans
 
-# times candidates or machines, or starts a farm: run alone (make test's second pass)
-pytestmark = pytest.mark.serial
 
+
+pytestmark = pytest.mark.slow(minutes=3)  # its file starts first under make test
 
 
 def pipeline_for(f, stages=None, timeout=600.0, **addresses):

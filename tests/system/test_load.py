@@ -14,8 +14,8 @@ from helpers import STAGES, Server
 from kiln.cas.store import FileStore
 import pytest
 
-# times candidates or machines, or starts a farm: run alone (make test's second pass)
-pytestmark = pytest.mark.serial
+
+pytestmark = pytest.mark.slow(minutes=3)  # its file starts first under make test
 
 
 def test_32_clients_on_run_for_60_s_then_8_concurrent_compiles(tmp_path, kiln_serve):

@@ -1,13 +1,11 @@
 """The IR: op set, symbolic dims, views and their composition, serialization, digests."""
 
-import itertools
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from kiln.cas.digest import digest_message
 from kiln.ir import view as views
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
@@ -271,7 +269,6 @@ import torch, io
 from kiln.apps.examples import encoder_example
 from importer_svc.importer import lower_program
 from kiln.ir.serialize import graph_to_pb
-from kiln.cas.digest import digest_message
 model, inputs = encoder_example()
 graph, _ = lower_program(torch.export.export(model, inputs))
 print(digest_message(graph_to_pb(graph)))
