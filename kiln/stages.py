@@ -17,7 +17,8 @@ import numpy as np
 
 from kiln.cas.digest import Digest
 from kiln.cas.store import BlobStore
-from kiln.rpc.client import call, channel, kiln_error, retrying
+from kiln.core.errors import NotFound
+from kiln.rpc.client import call, channel, kiln_error, retrying, wait_ready
 from kiln.rpc.tensors import array_from_pb, array_to_pb
 from kiln.v1 import services_pb2
 from executor_svc.generate import Sampling
@@ -132,11 +133,31 @@ class RemoteStages:
 
             cls = {"importer": services_pb2_grpc.ImporterStub, "optimizer": services_pb2_grpc.OptimizerStub,
                    "codegen": services_pb2_grpc.CodegenStub, "executor": services_pb2_grpc.ExecutorStub}[stage]
-            self._stubs[stage] = cls(channel(self.addresses[stage]))
+            ch = channel(self.addresses[stage])
+            wait_ready(ch, self._named(stage))  # the first use: a wrong address fails in seconds
+            self._stubs[stage] = cls(ch)
         return self._stubs[stage]
 
+    def _named(self, stage: str) -> str:
+        return f"the {stage} at {self.addresses[stage]}"
+
+    def _sent(self, stage: str, digests, fn):
+        """fn(), where the request names blobs this client put in its store: a NOT_FOUND for one
+        of them that the client's store holds says the client and the service use different stores."""
+        try:
+            return fn()
+        except NotFound as e:
+            mine = [d for d in digests if self.store.exists(d)]
+            if mine:
+                url = getattr(self.store, "url", "")
+                raise NotFound(f"{e}; this client's store {url} holds {mine[0]}: the client and "
+                               f"{self._named(stage)} use different stores (point KILN_STORE at the services' "
+                               "store)") from None
+            raise
+
     def import_program(self, program):
-        r = call(self._stub("importer").Import, services_pb2.ImportRequest(program=program.to_pb()), self.timeout)
+        r = self._sent("importer", [program], lambda: call(
+            self._stub("importer").Import, services_pb2.ImportRequest(program=program.to_pb()), self.timeout))
         return Digest.from_pb(r.graph), Digest.from_pb(r.manifest)
 
     def optimize(self, graph, options):
@@ -155,7 +176,8 @@ class RemoteStages:
 
     def load(self, bundle, manifest):
         req = services_pb2.LoadRequest(bundle=bundle.to_pb(), manifest=manifest.to_pb())
-        return call(self._stub("executor").Load, req, self.timeout).session
+        return self._sent("executor", [bundle, manifest],
+                          lambda: call(self._stub("executor").Load, req, self.timeout)).session
 
     def run(self, session, inputs):
         req = services_pb2.RunRequest(session=session, inputs=[array_to_pb(n, a, self.store) for n, a in inputs])

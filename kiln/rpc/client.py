@@ -4,6 +4,7 @@ UNAVAILABLE with backoff inside the caller's deadline."""
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from kiln.core import errors
@@ -12,6 +13,9 @@ from kiln.core.telemetry import current_span
 RETRY_FIRST_S = 0.05  # first backoff after UNAVAILABLE; doubles per attempt, with jitter
 RETRY_MAX_S = 2.0
 RETRY_ATTEMPTS_NO_DEADLINE = 8  # a call without a deadline gives up after this many tries
+UNREACHABLE_S = 10.0  # a service this client has not reached yet: seconds it may take to answer
+
+log = logging.getLogger(__name__)
 
 
 def channel_target(addresses: str) -> str:
@@ -54,6 +58,28 @@ def channel(addresses: str, auth=None):
     if auth.tokens:
         ch = grpc.intercept_channel(ch, BearerTokenClientInterceptor(auth.tokens[0]))
     return instrument_channel(ch)
+
+
+def wait_ready(ch, what: str, seconds: float = UNREACHABLE_S) -> None:
+    """Wait until the channel `ch` to `what` (a service at an address) is connected, saying
+    that it retries after the first second; Unavailable naming it after `seconds`. A client
+    pointed at a wrong address fails in seconds, not at its calls' deadline."""
+    import grpc
+
+    ready = grpc.channel_ready_future(ch)
+    try:
+        try:
+            ready.result(timeout=min(1.0, seconds))
+            return
+        except grpc.FutureTimeoutError:
+            log.warning("%s does not answer; retrying for up to %.0f s", what, seconds)
+        try:
+            ready.result(timeout=max(0.0, seconds - 1.0))
+        except grpc.FutureTimeoutError:
+            raise errors.Unavailable(f"{what} did not answer within {seconds:.0f} s: is the address right "
+                                     "and the service running?") from None
+    finally:
+        ready.cancel()
 
 
 def kiln_error(e) -> errors.KilnError:

@@ -153,6 +153,44 @@ def test_malformed_program_is_invalid_argument(remote_pipeline):
         remote_pipeline.import_program(d)
 
 
+def test_a_client_pointed_at_a_wrong_address_fails_in_seconds_naming_it(tmp_path, caplog):
+    """Nothing listens at the importer's address: the compile fails within UNREACHABLE_S (plus a
+    margin) with UNAVAILABLE naming the stage and the address, after saying it retries; not at
+    the calls' ten-minute deadline."""
+    import logging
+    import socket
+    import time
+
+    from kiln.core.errors import Unavailable
+    from kiln.pipeline import Pipeline
+    from kiln.rpc.client import UNREACHABLE_S
+
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    addr = f"127.0.0.1:{port}"
+    p = Pipeline(f"file://{tmp_path / 'store'}", {s: addr for s in ("importer", "optimizer", "codegen", "executor")})
+    model, inputs = mlp_example()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="kiln.rpc.client"):
+        with pytest.raises(Unavailable, match=f"the importer at {addr} did not answer"):
+            kiln.compile(model, inputs, pipeline=p)
+    assert time.monotonic() - t0 < UNREACHABLE_S + 5
+    assert any("retrying" in r.getMessage() and addr in r.getMessage() for r in caplog.records)
+
+
+def test_a_client_whose_store_is_not_the_services_is_told_so(services, tmp_path):
+    """The client's store is a local directory, the services' is S3: the importer cannot find
+    the program the client put, and the error says the two use different stores."""
+    from kiln.pipeline import Pipeline
+
+    _, addrs = services
+    p = Pipeline(f"file://{tmp_path / 'elsewhere'}", addrs)
+    model, inputs = mlp_example()
+    with pytest.raises(NotFound, match="use different stores"):
+        kiln.compile(model, inputs, pipeline=p)
+
+
 def test_health_and_reflection(services):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
