@@ -162,8 +162,9 @@ def cmd_farm(args) -> int:
     from kiln.apps import farm
 
     if args.action == "down":
-        n = farm.down(args.dir)
-        print(f"farm in {args.dir}: stopped {n} processes", file=sys.stderr)
+        n = farm.down(args.dir, purge=args.purge)
+        kept = "deleted its store's data" if args.purge else f"kept its store's data ({args.dir}/s3; --purge deletes it)"
+        print(f"farm in {args.dir}: stopped {n} processes, {kept}", file=sys.stderr)
         return 0
     env = dict(os.environ)
     if args.store:
@@ -395,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     fa.add_argument("--dir", default=os.environ.get("KILN_FARM_DIR", "~/.cache/kiln/farm"),
                     help="where the farm keeps its state, logs and S3 data (default $KILN_FARM_DIR or "
                          "~/.cache/kiln/farm)")
+    fa.add_argument("--purge", action="store_true", help="with down: delete the farm's S3 data too")
     fa.set_defaults(fn=cmd_farm)
     sh = sub.add_parser("show", help="print a graph, kernel graph, bundle or manifest by digest")
     sh.add_argument("digest")

@@ -4,8 +4,10 @@
 KILN_STORE already names an s3:// store) and that many replicas of each stage, each its own
 `kiln serve STAGE` process; optimizers know their peers (KILN_OPTIMIZER_PEERS) for fan-out.
 It waits until every replica reports SERVING on grpc.health.v1 and prints the settings that
-point a client at the farm. `kiln farm down` stops every process it started. What is running
-is written to DIR/farm.json (default ~/.cache/kiln/farm), so `down` works from any shell.
+point a client at the farm. `kiln farm down` stops every process it started and keeps the
+store's data (DIR/s3, and the credentials in DIR/s3-secret, so the next `up` serves the same
+blobs to the same settings); `down --purge` deletes them. What is running is written to
+DIR/farm.json (default ~/.cache/kiln/farm), so `down` works from any shell.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def up(counts: Mapping[str, int], directory: str | os.PathLike = DEFAULT_DIR,
             farm.env = {k: env[k] for k in ("KILN_STORE", "KILN_S3_ENDPOINT", "KILN_S3_ACCESS_KEY",
                                             "KILN_S3_SECRET_KEY") if k in env}
         else:  # a store of its own: SeaweedFS with fresh credentials
-            s3 = SeaweedS3(d / "s3", access_key="kiln-farm", secret_key=secrets.token_hex(16))
+            s3 = SeaweedS3(d / "s3", access_key="kiln-farm", secret_key=_secret(d))
             s3.start()
             farm.s3_pid = s3.proc.pid
             farm.env = s3.env("kiln-farm")
@@ -187,17 +189,33 @@ def _stop(pid: int, grace: float = 10.0) -> None:
         pass
 
 
-def down(directory: str | os.PathLike = DEFAULT_DIR) -> int:
-    """Stop every process of the farm in `directory`; returns how many were running."""
-    farm = Farm.load(directory)
-    if farm is None:
-        return 0
-    pids = [r.pid for r in farm.replicas] + ([farm.s3_pid] if farm.s3_pid else [])
-    alive = [p for p in pids if _alive(p)]
-    for pid in alive:
-        _stop(pid)
-    (farm.dir / "farm.json").unlink(missing_ok=True)
-    import shutil
+def _secret(d: Path) -> str:
+    """The farm's S3 secret key, made once per directory and kept with its data."""
+    path = d / "s3-secret"
+    if path.exists():
+        return path.read_text().strip()
+    secret = secrets.token_hex(16)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+    return secret
 
-    shutil.rmtree(farm.dir / "s3", ignore_errors=True)
+
+def down(directory: str | os.PathLike = DEFAULT_DIR, purge: bool = False) -> int:
+    """Stop every process of the farm in `directory`; returns how many were running. The
+    store's data and credentials stay unless `purge`."""
+    d = Path(directory).expanduser()
+    farm = Farm.load(d)
+    alive = []
+    if farm is not None:
+        pids = [r.pid for r in farm.replicas] + ([farm.s3_pid] if farm.s3_pid else [])
+        alive = [p for p in pids if _alive(p)]
+        for pid in alive:
+            _stop(pid)
+        (d / "farm.json").unlink(missing_ok=True)
+    if purge:
+        import shutil
+
+        shutil.rmtree(d / "s3", ignore_errors=True)
+        (d / "s3-secret").unlink(missing_ok=True)
     return len(alive)

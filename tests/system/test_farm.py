@@ -57,6 +57,33 @@ def settle(f, name: str, at_least: int, timeout: float = 20.0) -> Counter:
         time.sleep(0.1)
 
 
+def test_farm_down_keeps_the_store_unless_purged(tmp_path):
+    """A farm with its own SeaweedFS: `down` stops it and keeps its data and credentials, so the
+    next `up` serves the same blob under the same settings; `down --purge` deletes them."""
+    d = tmp_path / "farm"
+    env = {k: v for k, v in os.environ.items() if k != "KILN_STORE"}  # a store of its own
+    none = {s: 0 for s in farm_mod.STAGES}
+
+    def store(f):
+        e = f.client_env()
+        return S3Store(e["KILN_STORE"][len("s3://"):], e["KILN_S3_ENDPOINT"].removeprefix("http://"),
+                       e["KILN_S3_ACCESS_KEY"], e["KILN_S3_SECRET_KEY"])
+
+    f = farm_mod.up(none, d, env)
+    try:
+        blob, secret = store(f).put(b"kept across down and up"), f.client_env()["KILN_S3_SECRET_KEY"]
+    finally:
+        assert farm_mod.down(d) == 1  # SeaweedFS
+    assert (d / "s3").is_dir()
+    f = farm_mod.up(none, d, env)
+    try:
+        assert f.client_env()["KILN_S3_SECRET_KEY"] == secret
+        assert store(f).get(blob) == b"kept across down and up"
+    finally:
+        farm_mod.down(d, purge=True)
+    assert not (d / "s3").exists() and not (d / "s3-secret").exists()
+
+
 def test_farm_up_prints_settings_and_serves_every_replica(farm):
     env = farm.client_env()
     assert len(env["KILN_OPTIMIZER_ADDR"].split(",")) == 3
