@@ -31,6 +31,7 @@ from kiln.ir.serialize import dim_from_pb, dtype_from_pb, graph_from_pb, tensor_
 from kiln.ir.kernel import kernel_named_by_content
 from kiln.ir.shape import Dim, Sym, evaluate_dim, format_shape, numel
 from kiln.core.limits import CpuLoad, memory_limit
+from kiln.core.localcache import evict_kernels, kernel_cache_cap, kernel_cache_dir
 from kiln.cas.store import BlobStore
 from kiln.core.telemetry import child_span, span, start_span, untraced
 from kiln.v1 import ir_pb2
@@ -83,25 +84,28 @@ class MemoryNeed:
                                     f"{budget / (1 << 20):.1f} MiB (KILN_SESSION_MEMORY_MB)")
 
 
-def kernel_cache_dir() -> Path:
-    return Path(os.environ.get("KILN_KERNEL_CACHE", "~/.cache/kiln/kernels")).expanduser()
-
-
 _import_lock = threading.Lock()
+_written = 0  # bytes of modules written since the cache's size was last checked
 
 
 def load_module(name: str, source: str, subdir: str):
     """Import generated source as module `name` from the kernel cache, writing the file first
     when absent. A file is written once and never replaced (its name is its content's hash),
     so numba's disk cache of it stays valid across processes; concurrent writers race safely
-    (each links a complete temporary file; the first wins, the rest find it)."""
+    (each links a complete temporary file; the first wins, the rest find it). Each import marks
+    the file used; the cache is kept under its cap, least recently used modules first
+    (kiln.core.localcache)."""
+    global _written
     with _import_lock:
         if name in sys.modules:
             return sys.modules[name]
-        d = kernel_cache_dir() / subdir
+        root = kernel_cache_dir()
+        d = root / subdir
         d.mkdir(parents=True, exist_ok=True)
         path = d / f"{name}.py"
-        if not path.exists():
+        if path.exists():
+            os.utime(path)
+        else:
             fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".py")
             try:
                 with os.fdopen(fd, "w") as f:
@@ -112,6 +116,11 @@ def load_module(name: str, source: str, subdir: str):
                     pass
             finally:
                 os.unlink(tmp)
+            _written += len(source)
+            cap = kernel_cache_cap()
+            if _written > cap // 50:  # a check walks the cache: now and then, not per module
+                _written = 0
+                evict_kernels(root, {n for n in sys.modules if n.startswith("kiln_")}, cap)
         if path.read_text() != source:
             raise InvalidArgument(f"kernel cache file {path} does not hold the source its name promises; "
                                   "remove it (the cache is corrupt)")

@@ -406,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("trace_id", nargs="?", help="a trace id or a unique prefix of one (default: the latest)")
     tr.add_argument("--html", metavar="FILE", help="write a self-contained timeline page instead")
     tr.add_argument("--list", action="store_true", help="list the recorded traces")
-    tr.add_argument("--file", help="the OTLP JSON lines file (default $KILN_TRACE_FILE or ~/.cache/kiln/traces.jsonl)")
+    tr.add_argument("--file", help="the OTLP JSON lines file (default $KILN_TRACE_FILE or traces.jsonl in "
+                                   "$KILN_CACHE_DIR, beside the store)")
     tr.set_defaults(fn=cmd_trace)
     pr = sub.add_parser("profile", help="time each kernel of a bundle, or of a model compiled first")
     pr.add_argument("model", help="a .pt2 file, a Hugging Face directory, a kiln bench model name, or a bundle "

@@ -1,9 +1,10 @@
 """OpenTelemetry for every stage: spans, W3C context over gRPC, and the default exporters.
 
 Exporter: OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set and the OTLP exporter is installed;
-otherwise OTLP JSON appended to KILN_TRACE_FILE (default ~/.cache/kiln/traces.jsonl), one
-export request per line, as the OpenTelemetry Collector's file exporter writes it; `read_spans`
-reads it back for `kiln trace`. OTEL_TRACES_EXPORTER=none turns export off.
+otherwise OTLP JSON appended to KILN_TRACE_FILE (default traces.jsonl in KILN_CACHE_DIR, see
+kiln.core.localcache: capped by KILN_TRACE_MAX_MB, oldest lines first), one export request per
+line, as the OpenTelemetry Collector's file exporter writes it; `read_spans` reads it back for
+`kiln trace`. OTEL_TRACES_EXPORTER=none turns export off.
 
 Libraries that trace themselves (egglog: a span per rule registration and per run, thousands per
 compile) are not recorded unless KILN_TRACE_LIBRARIES=1: they were two thirds of a compile's
@@ -23,6 +24,8 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+from kiln.core.localcache import append_line, trace_cap, trace_file  # noqa: F401 (trace_file: kiln trace's default)
 
 _TRACER = trace.get_tracer("kiln")
 _lock = threading.Lock()
@@ -106,8 +109,8 @@ class OtlpJsonLinesSpanExporter(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         line = json.dumps(otlp_json(spans), separators=(",", ":")) + "\n"
-        with self._lock, open(self.path, "a") as f:
-            f.write(line)  # one write per batch: concurrent processes append whole lines
+        with self._lock:  # one locked write per batch: concurrent processes append whole lines
+            append_line(self.path, line, trace_cap())
         return SpanExportResult.SUCCESS
 
 
@@ -141,10 +144,6 @@ def read_spans(path: str | os.PathLike) -> list[dict]:
                                 "status": _STATUS.get(s.get("status", {}).get("code", 0), "UNSET"),
                                 "message": s.get("status", {}).get("message", "")})
     return out
-
-
-def trace_file() -> Path:
-    return Path(os.environ.get("KILN_TRACE_FILE", "~/.cache/kiln/traces.jsonl")).expanduser()
 
 
 def setup_tracing(service_name: str = "kiln", exporter: Optional[SpanExporter] = None) -> None:
