@@ -7,6 +7,7 @@ warm start compiles nothing, and a kernel shared by several bundles compiles onc
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import statistics
@@ -30,6 +31,7 @@ from kiln.ir.evaluate import evaluate
 from kiln.ir.serialize import dim_from_pb, dtype_from_pb, graph_from_pb, tensor_spec_from_pb
 from kiln.ir.kernel import kernel_named_by_content
 from kiln.ir.shape import Dim, Sym, evaluate_dim, format_shape, numel
+from kiln.core import progress as live
 from kiln.core.limits import CpuLoad, memory_limit
 from kiln.core.localcache import evict_kernels, kernel_cache_cap, kernel_cache_dir
 from kiln.cas.store import BlobStore
@@ -439,10 +441,13 @@ class Executor:
             candidate_spans = [start_span("executor.candidate", **{"kiln.bundle": str(b), "kiln.candidate": i})
                                for i, b in enumerate(bundles)]
             with untraced():
-                for s in sessions:  # warm-up: compiles on first call
-                    self.run_session(s, inputs)
+                with _counting_compiles(sessions) as recount:
+                    for s in sessions:  # warm-up: compiles the kernels on first call
+                        self.run_session(s, inputs)
+                        recount()
                 load = CpuLoad()
-                for _ in range(repeats):
+                for r in range(repeats):
+                    live.count("candidates timed, round", r + 1, repeats)
                     for i, s in enumerate(sessions):
                         # each timed run follows an untimed one of its own: a candidate is timed in
                         # the cache state its own run leaves, as when a model runs again and again,
@@ -461,6 +466,30 @@ class Executor:
                 cs.set_attribute("kiln.others_busy", others)
                 cs.end()
         return [(b, statistics.median(t), min(t), rel, others) for b, t, rel in zip(bundles, times, relative)]
+
+
+@contextlib.contextmanager
+def _counting_compiles(sessions: Sequence[Session]):
+    """Counts the sessions' kernels that numba has compiled (or loaded from its cache) into the
+    shown progress as it goes: kernels compiled n/N. Yields a recount, for after each session."""
+    from numba.core import event
+
+    kernels = {n: f for s in sessions for n, f in getattr(s.host, "__globals__", {}).items() if n.startswith("k_")}
+
+    def recount():
+        live.count("kernels compiled", sum(1 for f in kernels.values() if getattr(f, "signatures", None)),
+                   len(kernels))
+
+    class Compiles(event.Listener):
+        def on_start(self, ev):
+            pass
+
+        def on_end(self, ev):
+            recount()
+
+    recount()
+    with event.install_listener("numba:compile", Compiles()):
+        yield recount
 
 
 def paired_ratios(times: Sequence[Sequence[float]]) -> list[float]:

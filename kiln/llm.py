@@ -97,10 +97,23 @@ def load_tokenizer(path: str | Path):
 
 
 def compile_causal_lm(model, pipeline=None, *, max_context: int = 256, max_batch: int = 16,
-                      search: bool = True, candidates: Optional[int] = None, name: str = "") -> Digest:
+                      search: bool = True, candidates: Optional[int] = None, name: str = "",
+                      progress: Optional[bool] = None) -> Digest:
     """Compile a transformers causal LM (or a model directory) for Executor.Generate; returns
-    the digest of its CausalLM message."""
+    the digest of its CausalLM message. `progress` shows the compile's progress on stderr after
+    2 s (None: when stderr is a terminal; kiln.core.progress)."""
+    from kiln.core import progress as live
+
+    label = f"compile {Path(model).name if isinstance(model, (str, Path)) else type(model).__name__}"
+    with live.progress(label, progress):
+        return _compile_causal_lm(model, pipeline, max_context, max_batch, search, candidates, name)
+
+
+def _compile_causal_lm(model, pipeline, max_context: int, max_batch: int, search: bool, candidates: Optional[int],
+                       name: str) -> Digest:
     import torch
+
+    from kiln.core import progress as live
     from torch.export import Dim
 
     from kiln.pipeline import Pipeline
@@ -113,6 +126,7 @@ def compile_causal_lm(model, pipeline=None, *, max_context: int = 256, max_batch
     pipeline = pipeline or Pipeline()
     if isinstance(model, (str, Path)):
         name = name or Path(model).name
+        live.stage("load the model")
         model = load_causal_lm(model)
     model.eval()
     prefill, decode, layers = _wrappers(model)
@@ -122,6 +136,7 @@ def compile_causal_lm(model, pipeline=None, *, max_context: int = 256, max_batch
     if limit and max_context > limit:
         raise errors.InvalidArgument(f"max_context {max_context} is beyond the model's {limit} positions")
 
+    live.stage("export")
     with torch.no_grad():
         ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
         pos = torch.arange(8)[None]
@@ -142,8 +157,10 @@ def compile_causal_lm(model, pipeline=None, *, max_context: int = 256, max_batch
     if not isinstance(batch_dim, torch.SymInt):
         raise errors.FailedPrecondition(f"{type(model).__name__}: export fixed the decode program's batch at "
                                         f"{batch_dim}; sequences could not share decode steps")
-    results = [pipeline.compile_program(pipeline.upload_program(ep), search=search, candidates=candidates)
-               for ep in (ep_prefill, ep_decode)]
+    results = []
+    for part, ep in (("prefill", ep_prefill), ("decode", ep_decode)):
+        live.section(part)
+        results.append(pipeline.compile_program(pipeline.upload_program(ep), search=search, candidates=candidates))
     eos = cfg.eos_token_id if getattr(cfg, "eos_token_id", None) is not None else []
     lm = services_pb2.CausalLM(prefill_bundle=results[0].bundle.to_pb(), prefill_manifest=results[0].manifest.to_pb(),
                                decode_bundle=results[1].bundle.to_pb(), decode_manifest=results[1].manifest.to_pb(),

@@ -18,6 +18,7 @@ import numpy as np
 
 from kiln.cas import cache
 from kiln.core import errors
+from kiln.core import progress as live
 from kiln.cas.digest import Digest
 from codegen_svc.targets import target as target_named
 from kiln.core.limits import contended_share, quieter_now
@@ -160,16 +161,21 @@ class Pipeline:
         has one already (a compile never measures the machine just to rank one candidate)."""
         candidates = default_candidates() if candidates is None else candidates
         with span("kiln.compile_program", **{"kiln.program": str(program), "kiln.remote": self.remote}):
+            live.stage("import")
             graph, manifest = self.import_program(program)
             if search and target_profile is None:  # the program chosen depends on the profile, not on who asks
+                live.stage("calibrate")
                 target_profile = self.calibrate(target)[0] if candidates > 1 else self.known_profile(target)
+            live.stage("search" if search else "optimize")
             kg, report = self.optimize(graph, search=search, target_profile=target_profile,
                                        candidates=candidates if search else 1)
             launch = (0, 0)
             if len(report.candidates) > 1:
+                live.stage("emit and time candidates")
                 kg, report = self.choose(report, manifest, target, target_profile)
                 chosen = next(c for c in report.candidates if c.chosen)
                 launch = (chosen.block, chosen.tile)
+            live.stage("emit")
             bundle, kernels, peak = self.emit(kg, target, *launch)
         return CompileResult(graph, manifest, kg, bundle, report, kernels, peak)
 
@@ -285,16 +291,19 @@ class CompiledModule:
 
 def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, *, search: bool = True,
             target: str = "cpu", pipeline: Optional[Pipeline] = None, dynamic_shapes=None,
-            candidates: Optional[int] = None) -> CompiledModule:
+            candidates: Optional[int] = None, progress: Optional[bool] = None) -> CompiledModule:
     """Compile an nn.Module for the example inputs' shapes, or for every shape `dynamic_shapes`
     (torch.export's argument, with torch.export.Dim) allows; returns a callable with its signature.
     `candidates` schedules are timed on the executor and the fastest kept (1: the cost model's pick;
-    default $KILN_CANDIDATES or 8)."""
+    default $KILN_CANDIDATES or 8). `progress` shows the compile's progress on stderr after 2 s
+    (None: when stderr is a terminal; kiln.core.progress)."""
     import torch
 
     pipeline = pipeline or Pipeline()
     # one trace per compile: export, the four stages and the executor's Load
-    with span("kiln.compile", **{"kiln.remote": pipeline.remote}):
+    with live.progress(f"kiln.compile {type(module).__name__}", progress), \
+            span("kiln.compile", **{"kiln.remote": pipeline.remote}):
+        live.stage("export")
         with span("kiln.export"):
             try:
                 ep = torch.export.export(module.eval() if hasattr(module, "eval") else module,
@@ -303,5 +312,6 @@ def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, 
                 raise errors.FailedPrecondition(f"torch.export failed: {type(e).__name__}: {e}") from e
         program = pipeline.upload_program(ep)
         result = pipeline.compile_program(program, search=search, target=target, candidates=candidates)
+        live.stage("load")
         session = pipeline.load(result.bundle, result.manifest)
     return CompiledModule(pipeline, result, session, ep.call_spec.in_spec)

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -20,6 +20,7 @@ from kiln.ir.serialize import kernel_graph_to_pb
 from kiln.ir.graph import Graph
 from kiln.ir.serialize import graph_from_pb, graph_to_pb
 from kiln.cas.store import BlobStore
+from kiln.core import progress as live
 from kiln.core.telemetry import current_span, span
 from kiln.v1 import ir_pb2, services_pb2
 from optimizer_svc.cost import predict
@@ -153,10 +154,15 @@ def saturate_regions(store: BlobStore, graph: Graph, limits: SearchLimits, peer:
                 ThreadPoolExecutor(len(distinct), thread_name_prefix="fanout") as pool:
             ctx = otel_context.get_current()  # the peers' spans join this trace
             futures = {d: pool.submit(_in_context(ctx, remote), d, distinct[d]) for d in order}
+            live.count("regions searched", 0, len(order))
+            for n, _ in enumerate(as_completed(futures.values()), 1):
+                live.count("regions searched", n, len(order))
             done = {d: f.result() for d, f in futures.items()}
     else:
-        for d in order:
+        for n, d in enumerate(order):
+            live.count("regions searched", n, len(order))
             done[d] = saturate_region(store, d, distinct[d], left())
+        live.count("regions searched", len(order), len(order))
     for d in order:
         _, rep, cached = done[d]
         if cached:

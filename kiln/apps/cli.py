@@ -39,10 +39,17 @@ def cmd_compile(args) -> int:
         _load_model(args)  # raises the error that says what is expected
     from kiln.pipeline import default_candidates
 
+    from kiln.core.progress import progress, stage
+
     candidates = args.candidates if args.candidates is not None else default_candidates()
-    profile = p.calibrate(args.target)[0] if args.predict or (candidates > 1 and not args.no_search) else None
-    r = p.compile_program(program, search=not args.no_search, target=args.target, target_profile=profile,
-                          candidates=candidates)
+    with progress(f"kiln compile {path.name}"):
+        if args.predict or (candidates > 1 and not args.no_search):
+            stage("calibrate")
+            profile = p.calibrate(args.target)[0]
+        else:
+            profile = None
+        r = p.compile_program(program, search=not args.no_search, target=args.target, target_profile=profile,
+                              candidates=candidates)
     out = {"program": str(program), "graph": str(r.graph), "manifest": str(r.manifest),
            "kernel_graph": str(r.kernel_graph), "bundle": str(r.bundle), "kernels": r.kernels,
            "peak_bytes": r.peak_bytes, "search": r.report.stop_reason, "nodes_before": r.report.nodes_before,
@@ -315,6 +322,8 @@ def cmd_serve_openai(args) -> int:
     from kiln.apps.openai_api import load_model, serve
 
     p = _pipeline(args)
+    print(f"kiln serve-openai: compiling {args.model} for generation (max context {args.max_context}, "
+          f"{args.max_batch} sequences at once); the port opens when it is done", file=sys.stderr, flush=True)
     model = load_model(p, args.model, args.max_context, args.max_batch, args.name)
     server = serve(p, model, args.port, args.host)
     host, port = server.server_address[:2]

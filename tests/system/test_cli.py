@@ -147,7 +147,10 @@ def test_generate_prints_new_token_ids_and_text(tmp_path):
     tok.save(str(d / "tokenizer.json"))
     env = {"KILN_STORE": f"file://{tmp_path / 'store'}"}
     args = ("generate", str(d), "--max-new-tokens", "12", "--greedy", "--max-context", "64", "--max-batch", "2")
-    out = kiln_cli(*args, "--prompt-ids", "5,6,7", env=env).stdout.strip()
+    first = kiln_cli(*args, "--prompt-ids", "5,6,7", env={**env, "KILN_PROGRESS": "1"})  # asked: progress on stderr
+    out = first.stdout.strip()
+    assert "compile tiny-llama: prefill · " in first.stderr and "compile tiny-llama: decode · " in first.stderr
+    assert "regions searched" in first.stderr and "tiny-llama: decode · done · " in first.stderr
     ids = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
         want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)[0, 3:]
