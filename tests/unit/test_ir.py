@@ -268,6 +268,7 @@ _DIGEST_SCRIPT = """
 import torch, io
 from kiln.apps.examples import encoder_example
 from importer_svc.importer import lower_program
+from kiln.cas.digest import digest_message
 from kiln.ir.serialize import graph_to_pb
 model, inputs = encoder_example()
 graph, _ = lower_program(torch.export.export(model, inputs))
