@@ -158,7 +158,12 @@ class RemoteStages:
     def import_program(self, program):
         r = self._sent("importer", [program], lambda: call(
             self._stub("importer").Import, services_pb2.ImportRequest(program=program.to_pb()), self.timeout))
-        return Digest.from_pb(r.graph), Digest.from_pb(r.manifest)
+        graph = Digest.from_pb(r.graph)
+        if not self.store.exists(graph):  # the services' store had the program already: the client's lacks their results
+            raise NotFound(f"{self._named('importer')} wrote graph {graph} to its store, which this client's store "
+                           f"{getattr(self.store, 'url', '')} does not hold: the client and the services use "
+                           "different stores (point KILN_STORE at the services' store)")
+        return graph, Digest.from_pb(r.manifest)
 
     def optimize(self, graph, options):
         req = services_pb2.OptimizeRequest(graph=graph.to_pb(), search=options.search,

@@ -181,14 +181,18 @@ def test_a_client_pointed_at_a_wrong_address_fails_in_seconds_naming_it(tmp_path
 
 def test_a_client_whose_store_is_not_the_services_is_told_so(services, tmp_path):
     """The client's store is a local directory, the services' is S3: the importer cannot find
-    the program the client put, and the error says the two use different stores."""
+    the program the client put, or (when the services' store had it already) the client's store
+    lacks the graph the importer wrote; either way the error says the two use different stores."""
     from kiln.pipeline import Pipeline
 
     _, addrs = services
-    p = Pipeline(f"file://{tmp_path / 'elsewhere'}", addrs)
-    model, inputs = mlp_example()
-    with pytest.raises(NotFound, match="use different stores"):
-        kiln.compile(model, inputs, pipeline=p)
+    for seed in (4242, 0):  # a program the services' store lacks, and one it may hold from other tests
+        model, inputs = mlp_example(seed=seed)
+        if seed == 0:
+            kiln.compile(model, inputs, pipeline=Pipeline(*services))  # now the services' store holds it
+        p = Pipeline(f"file://{tmp_path / f'elsewhere-{seed}'}", addrs)
+        with pytest.raises(NotFound, match="use different stores"):
+            kiln.compile(model, inputs, pipeline=p)
 
 
 def test_health_and_reflection(services):
