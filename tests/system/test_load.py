@@ -15,7 +15,9 @@ from kiln.cas.store import FileStore
 import pytest
 
 
-pytestmark = pytest.mark.slow(minutes=3)  # its file starts first under make test
+# 32 clients and a server take both cores for a minute: beside the other test process, calls
+# missed their deadline (30 of them in one run)
+pytestmark = pytest.mark.serial
 
 
 def test_32_clients_on_run_for_60_s_then_8_concurrent_compiles(tmp_path, kiln_serve):
