@@ -1,6 +1,9 @@
 """End to end, in process and over gRPC with the S3 store: outputs match torch eager."""
 
+import threading
+
 import grpc
+
 import numpy as np
 import pytest
 import torch
@@ -246,8 +249,10 @@ def test_least_recently_used_session_is_evicted_and_reloads_on_use(local_pipelin
 
 def test_first_runs_call_the_kernels_from_python_then_the_compiled_entry(local_pipeline):
     """A session's first HOST_RUNS runs call its compiled kernels from the entry's Python
-    function, and numba does not build the entry; the next run does, and gives the same outputs
-    (to the last bits the entry's own optimization may move)."""
+    function, and numba does not build the entry; the last of them starts building it in the
+    background, runs during the build still call the kernels from Python (no caller waits on
+    it), and the first run after it uses the compiled entry, with the same outputs (to the last
+    bits the entry's own optimization may move)."""
     from executor_svc.executor import HOST_RUNS
 
     model, inputs = encoder_example()
@@ -256,15 +261,34 @@ def test_first_runs_call_the_kernels_from_python_then_the_compiled_entry(local_p
     session = executor.open(compiled.result.bundle, compiled.result.manifest)
     feeds = [("x", inputs[0].numpy())]
     ref = model(*inputs).detach().numpy()
-    calls, entry, host = [], session.entry, session.host
-    session.entry = lambda *a: calls.append("entry") or entry(*a)
+    calls, entry, host, release = [], session.entry, session.host, threading.Event()
+
+    class Entry:  # the compiled entry, its calls and its build recorded; the build held until released
+        typeof_pyval = staticmethod(entry.typeof_pyval)
+
+        def __call__(self, *a):
+            calls.append("entry")
+            return entry(*a)
+
+        def compile(self, types):
+            calls.append("build")
+            assert release.wait(60)
+            return entry.compile(types)
+
+    session.entry = Entry()
     session.host = lambda *a: calls.append("host") or host(*a)
     built = len(entry.signatures)  # another test in this process may have run this bundle already
-    first = [executor.run_session(session, feeds)[0][1] for _ in range(HOST_RUNS)]
-    assert calls == ["host"] * HOST_RUNS and len(entry.signatures) == built
+    first = [executor.run_session(session, feeds)[0][1] for _ in range(HOST_RUNS - 1)]
+    assert calls == ["host"] * (HOST_RUNS - 1) and len(entry.signatures) == built and session.build is None
+    first.append(executor.run_session(session, feeds)[0][1])
+    during = executor.run_session(session, feeds)[0][1]  # the build is held: this run must not wait
+    assert calls.count("host") == HOST_RUNS + 1 and "entry" not in calls and not session.built.is_set()
+    release.set()
+    session.build.join(120)
+    assert session.built.is_set() and calls.count("build") == 1 and len(entry.signatures) == 1
     compiled_out = executor.run_session(session, feeds)[0][1]
-    assert calls[-1] == "entry" and len(entry.signatures) == 1
-    for out in first + [compiled_out]:
+    assert calls[-1] == "entry" and calls.count("build") == 1
+    for out in first + [during, compiled_out]:
         np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(compiled_out, first[0], rtol=1e-6, atol=1e-7)
 
