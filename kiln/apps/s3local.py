@@ -17,6 +17,9 @@ ACCESS_KEY = "kiln-test-access"
 SECRET_KEY = "kiln-test-secret-0123456789"
 
 
+PORT_ATTEMPTS = 3  # a first start's tries on newly chosen ports (see SeaweedS3.start)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,22 +60,43 @@ class SeaweedS3:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         data = self.dir / "data"
         data.mkdir(exist_ok=True)
-        ports = self._ports = self._ports or {
-            name: free_port() for name in ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
-                                           "filer.port", "filer.port.grpc", "s3.port.grpc", "s3.port.iceberg",
-                                           "s3.port.lance")}
-        args = [weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
-                f"-s3.port={self.port}", f"-s3.config={cfg}", "-master.volumeSizeLimitMB=64", "-volume.max=100"]
-        args += [f"-{k}={v}" for k, v in ports.items()]
-        self.log = open(self.dir / "weed.log", "ab")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait_ready(timeout)
-        return self
+        # ports chosen here were free when chosen, not when weed binds them: another process on
+        # the machine may take one between (it happened beside a second test process); a first
+        # start then retries on new ones. A restart keeps its ports, as its users recorded them.
+        chosen = not self._ports
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            ports = self._ports = self._ports or {
+                name: free_port() for name in ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+                                               "filer.port", "filer.port.grpc", "s3.port.grpc", "s3.port.iceberg",
+                                               "s3.port.lance")}
+            args = [weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
+                    f"-s3.port={self.port}", f"-s3.config={cfg}", "-master.volumeSizeLimitMB=64", "-volume.max=100"]
+            args += [f"-{k}={v}" for k, v in ports.items()]
+            log_path = self.dir / "weed.log"
+            logged = log_path.stat().st_size if log_path.exists() else 0
+            self.log = open(log_path, "ab")
+            self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                self._wait_ready(timeout)
+                return self
+            except RuntimeError:
+                with open(log_path, "rb") as f:
+                    f.seek(logged)
+                    taken = b"address already in use" in f.read()
+                if not (chosen and taken and attempt < PORT_ATTEMPTS):
+                    raise
+                self.stop(remove=False)
+                self._ports, self.port = {}, free_port()
+        raise AssertionError("unreachable")
 
     def _wait_ready(self, timeout: float) -> None:
+        import urllib3
         from minio import Minio
 
-        client = Minio(self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=False)
+        # short timeouts, no retries: a probe must not hang on a port that accepts and never answers
+        http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=2.0, read=5.0), retries=False)
+        client = Minio(self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=False,
+                       http_client=http)
         deadline = time.monotonic() + timeout
         last = None
         while time.monotonic() < deadline:

@@ -185,3 +185,28 @@ def test_waiting_for_a_live_lease_honours_the_deadline(store):
                 pass
     finally:
         holder.release()
+
+
+def test_a_seaweedfs_port_taken_after_it_was_chosen_gets_new_ports(tmp_path, monkeypatch):
+    """free_port's port is free when chosen, not when weed binds it: a first start whose port
+    another process took in between starts again on new ports (and serves), not a failed fixture."""
+    import socket
+
+    import kiln.apps.s3local as s3local
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        chosen = iter([taken])
+        real = s3local.free_port
+        monkeypatch.setattr(s3local, "free_port", lambda: next(chosen, None) or real())
+        s3 = s3local.SeaweedS3(tmp_path / "s3")
+        assert s3.port == taken
+        try:
+            s3.start()
+            assert s3.port != taken
+            blob = S3Store("kept", s3.endpoint, s3.access_key, s3.secret_key).put(b"served")
+            assert S3Store("kept", s3.endpoint, s3.access_key, s3.secret_key).get(blob) == b"served"
+            assert b"address already in use" in (tmp_path / "s3" / "weed.log").read_bytes()
+        finally:
+            s3.stop()

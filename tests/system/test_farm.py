@@ -57,7 +57,6 @@ def settle(f, name: str, at_least: int, timeout: float = 20.0) -> Counter:
         time.sleep(0.1)
 
 
-@pytest.mark.serial  # its own SeaweedFS: a port free when chosen was taken by the other test process's once
 def test_farm_down_keeps_the_store_unless_purged(tmp_path):
     """A farm with its own SeaweedFS: `down` stops it and keeps its data and credentials, so the
     next `up` serves the same blob under the same settings; `down --purge` deletes them."""
