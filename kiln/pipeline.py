@@ -23,7 +23,7 @@ from kiln.cas.digest import Digest
 from codegen_svc.targets import target as target_named
 from kiln.core.limits import contended_share, quieter_now
 from kiln.cas.store import BlobStore, open_store
-from kiln.core.telemetry import child_span, setup_tracing, span
+from kiln.core.telemetry import child_span, current_span, setup_tracing, span
 from kiln.ir.dtypes import numpy_to_torch, torch_to_numpy
 from kiln.stages import STAGES, LocalStages, RemoteStages, Stages, Timing
 from executor_svc.generate import Sampling
@@ -177,6 +177,7 @@ class Pipeline:
                 launch = (chosen.block, chosen.tile)
             live.stage("emit")
             bundle, kernels, peak = self.emit(kg, target, *launch)
+            current_span().set_attribute("kiln.bundle", str(bundle))  # the chosen one, not the last timed
         return CompileResult(graph, manifest, kg, bundle, report, kernels, peak)
 
     def choose(self, report: services_pb2.OptimizeReport, manifest: Digest, target: str,
@@ -312,6 +313,7 @@ def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, 
                 raise errors.FailedPrecondition(f"torch.export failed: {type(e).__name__}: {e}") from e
         program = pipeline.upload_program(ep)
         result = pipeline.compile_program(program, search=search, target=target, candidates=candidates)
+        current_span().set_attribute("kiln.bundle", str(result.bundle))
         live.stage("load")
         session = pipeline.load(result.bundle, result.manifest)
     return CompiledModule(pipeline, result, session, ep.call_spec.in_spec)

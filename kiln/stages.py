@@ -18,6 +18,7 @@ import numpy as np
 from kiln.cas.digest import Digest
 from kiln.cas.store import BlobStore
 from kiln.core.errors import NotFound
+from kiln.core.telemetry import span
 from kiln.rpc.client import call, channel, kiln_error, retrying, wait_ready
 from kiln.rpc.tensors import array_from_pb, array_to_pb
 from kiln.v1 import services_pb2
@@ -83,7 +84,10 @@ class LocalStages:
     def emit(self, kernel_graph, target, block, tile):
         from codegen_svc.codegen import emit
 
-        return emit(self.store, kernel_graph, target, None, block, tile)
+        # a span per emit, as the service's own (codegen.Emit) is remotely: codegen names the
+        # bundle on it, so a compile's span names only the bundle it chose
+        with span("codegen.Emit", **{"kiln.kernel_graph": str(kernel_graph), "kiln.target": target}):
+            return emit(self.store, kernel_graph, target, None, block, tile)
 
     def load(self, bundle, manifest):
         return self.executor.load(bundle, manifest)

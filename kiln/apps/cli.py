@@ -479,6 +479,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"kiln {args.cmd}: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader stopped reading (`kiln trace | head`): nothing went wrong here
+        # the interpreter flushes stdout again at exit; that write must not fail too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -148,29 +149,90 @@ def test_kiln_trace_unknown_or_missing_is_not_found(traced, tmp_path, capsys):
         trace_view.select(read_spans(tmp_path / "absent.jsonl"), None)
 
 
+def _dom(page, profile, fragment: str = "") -> str:
+    return subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={profile}", "--dump-dom", page.as_uri() + fragment],
+        capture_output=True, text=True, timeout=120, check=True).stdout
+
+
+_ROW = re.compile(r'<div class="row (\w+)" data-span="([0-9a-f]{16})" data-depth="(\d+)"(?: data-count="(\d+)")?'
+                  r'(?: data-hidden-by="[^"]*")?(?: style="([^"]*)")?[^>]*>(.*?)(?=<div class="row |</div>\n)')
+
+
 def test_html_timeline_renders_every_span_in_headless_chromium(traced, tmp_path):
-    _, mine, path = traced
+    """Every span is a row, or one of a folded run of library spans; each row's bar sits on the
+    time axis, with its children drawn inside it and its kiln attributes beside it; #depth=N folds
+    what is deeper."""
+    compiled, mine, path = traced
     page = tmp_path / "trace.html"
     assert cli_main(["trace", "--file", str(path), "--html", str(page)]) == 0
     assert "http" not in page.read_text().split("<script")[0]  # self-contained: nothing fetched
-    dom = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri()],
-        capture_output=True, text=True, timeout=120, check=True).stdout
-    rows = re.findall(r'<div class="row (\w+)" data-span="([0-9a-f]{16})"[^>]*>(.*?)(?=<div class="row |</div>\n)', dom)
-    assert len(rows) == len(mine), "the script built one row per span"
+    dom = _dom(page, tmp_path / "profile")
+    rows = _ROW.findall(dom)
     by_id = {f"{s.context.span_id:016x}": s for s in mine}
+    children: dict[int, list] = {}
+    for s in mine:
+        if s.parent is not None and f"{s.parent.span_id:016x}" in by_id:
+            children.setdefault(s.parent.span_id, []).append(s)
     t0 = min(s.start_time for s in mine)
     total = max(s.end_time for s in mine) - t0
-    for status, span_id, body in rows:
+    covered = 0
+    for status, span_id, depth, count, style, body in rows:
         s = by_id[span_id]
-        label = re.search(r'<div class="label"[^>]*>(.*?)</div>', body).group(1)
-        assert label.startswith(s.name.replace("&", "&amp;").replace("<", "&lt;") + " [")
-        shown = float(re.search(r'<div class="ms">([\d.]+) ms</div>', body).group(1))
-        assert shown == pytest.approx((s.end_time - s.start_time) / 1e6, abs=0.006)  # toFixed(2)
-        left = float(re.search(r"left: ([\d.]+)%", body).group(1))
+        assert "display: none" not in style  # everything open by default
+        label = re.search(r'<span class="name">(.*?)</span>', body).group(1)
+        assert label.startswith(s.name.replace("&", "&amp;").replace("<", "&lt;") + (f" ×{count}" if count else "") + " [")
+        left = float(re.search(r'class="bar" style="[^"]*left: ([\d.]+)%', body).group(1))
         assert left == pytest.approx((s.start_time - t0) / total * 100, abs=2e-3)
+        shown = float(re.search(r'<div class="ms">([\d.]+) ms</div>', body).group(1))
+        segments = body.count('class="seg"')
+        if count:  # a folded run: that many same-named siblings in a row, one segment each
+            siblings = sorted(children[s.parent.span_id], key=lambda c: c.start_time)
+            i = siblings.index(s)
+            run = siblings[i:i + int(count)]
+            assert len(run) == int(count) >= trace_view.GROUP_AT and {c.name for c in run} == {s.name}
+            assert shown == pytest.approx(sum(c.end_time - c.start_time for c in run) / 1e6, abs=0.006)
+            assert segments == int(count)
+            covered += int(count)
+        else:
+            assert shown == pytest.approx((s.end_time - s.start_time) / 1e6, abs=0.006)  # toFixed(2)
+            assert segments == len(children.get(s.context.span_id, []))
+            attrs = re.search(r'<div class="attrs">(.*?)</div>', body).group(1)
+            for k, v in s.attributes.items():
+                if k.startswith("kiln.") and not isinstance(v, (tuple, float)):
+                    assert f"{k.removeprefix('kiln.')}={trace_view._short(v)}" in attrs
+            covered += 1
+    assert covered == len(mine), "every span is drawn, as its own row or in a folded run"
     root = next(s for s in mine if s.name == "kiln.compile")
     assert rows[0][1] == f"{root.context.span_id:016x}"  # the root comes first, the whole width
-    assert re.search(r'<h1 id="summary">trace [0-9a-f]{32} — [\d.]+ ms, %d spans</h1>' % len(mine), dom)
+    assert rows[0][2] == "0" and 'class="seg"' in rows[0][5]
+    assert re.search(r'<h1 id="summary">trace [0-9a-f]{32} — [\d.]+ ms, %d spans, bundle %s</h1>'
+                     % (len(mine), compiled.result.bundle.hash[:12]), dom)
+    ticks = re.findall(r'<div class="ticklabel" style="left: ([\d.]+)%;">(0|([\d.]+) (µs|ms|s))</div>', dom)
+    assert 2 <= len(ticks) <= 11 and ticks[0][1] == "0" and float(ticks[0][0]) == 0
+    for left, _, value, unit in ticks[1:]:  # each label where its time falls on the axis
+        ns = float(value) * {"µs": 1e3, "ms": 1e6, "s": 1e9}[unit]
+        assert float(left) <= 100 and float(left) == pytest.approx(ns / total * 100, abs=0.01)
+    folded = _ROW.findall(_dom(page, tmp_path / "profile", "#depth=1"))
+    assert [r[1] for r in folded] == [r[1] for r in rows]
+    assert all(("display: none" in r[4]) == (int(r[2]) > 1) for r in folded)
+
+
+def test_compile_spans_name_the_chosen_bundle(traced):
+    """Two candidates were emitted and timed: the compile's own spans name the one it kept."""
+    compiled, mine, _ = traced
+    for name in ("kiln.compile", "kiln.compile_program"):
+        s = next(s for s in mine if s.name == name)
+        assert s.attributes["kiln.bundle"] == str(compiled.result.bundle), name
+
+
+def test_kiln_trace_into_a_closed_pipe_exits_quietly(traced):
+    """`kiln trace | head`: the reader goes away before the tree is written; no traceback."""
+    _, _, path = traced
+    p = subprocess.Popen([sys.executable, "-m", "kiln", "trace", "--file", str(path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before the child has imported kiln, so its first write finds no reader
+    err = p.stderr.read()
+    assert p.wait(120) == 0 and err == b"", err.decode()
