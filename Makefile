@@ -34,7 +34,7 @@ $(CHROMIUM):
 # two test processes at a time (most tests compile: one core each), the files marked slow first
 # (tests/conftest.py). Tests that time things or start a farm run beside the other process too (a
 # timing taken on a busy machine is cached with how busy it was: kiln.core.limits.CpuLoad); the few
-# marked serial (the load test: 32 clients on both cores, the server's memory checked flat) run alone after
+# marked serial (the load test; torch timed before and after kiln) run alone after
 test: setup $(CHROMIUM)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" --durations=25 tests
 	$(PY) -m pytest -q -m serial --durations=5 tests

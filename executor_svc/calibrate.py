@@ -146,6 +146,10 @@ def measure(target: str = "cpu", repeats: int = 7) -> services_pb2.TargetProfile
 def measure_cpu(repeats: int = 7) -> services_pb2.TargetProfile:
     from numba import get_num_threads, njit, prange
 
+    from executor_svc.executor import start_pool
+
+    start_pool()  # before the first parallel kernel: torch's pool keeps its size
+
     @njit(cache=False, nogil=True)
     def gemm(a, b, c):
         np.dot(a, b, c)

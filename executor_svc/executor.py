@@ -182,10 +182,41 @@ def single_threaded_blas() -> None:
         _blas_limited = True
 
 
+_pool_started = False
+
+
+def start_pool() -> None:
+    """Start numba's thread pool, leaving torch's as it was.
+
+    numba's OpenMP layer calls its runtime's omp_set_num_threads(NUMBA_NUM_THREADS) when it starts
+    its pool, on the calling thread. In a process that has imported torch, that runtime is
+    torch's libgomp (one runtime serves both: torch loads it into the global namespace, and a
+    libgomp loaded before torch is reused by soname), so the call resized torch's intra-op pool
+    to numba's count: measured here, torch at 2 threads and numba at 1 fell to 1 thread and ran
+    a small MLP about 2x slower after kiln's first parallel run. By default numba takes every
+    logical CPU and torch every physical core, so on an SMT machine torch's pool doubled. This
+    restores torch's thread count right after numba's pool starts."""
+    global _pool_started
+    with _import_lock:
+        if _pool_started:
+            return
+        import numba
+
+        torch = sys.modules.get("torch")
+        torch_threads = torch.get_num_threads() if torch is not None else None
+        numba.get_num_threads()  # starts the pool (numba.np.ufunc.parallel._launch_threads)
+        if torch_threads is not None and torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
+        _pool_started = True
+
+
 def pool_threads() -> np.int64:
-    """numba's pool size, the entry's last argument (GEMMs split their rows by it)."""
+    """numba's pool size, the entry's last argument (GEMMs split their rows by it); the first
+    call starts the pool (start_pool)."""
     import numba
 
+    if not _pool_started:
+        start_pool()
     return np.int64(numba.get_num_threads())
 
 

@@ -143,10 +143,10 @@ def bench(name: str, repeats: int = 20, warmup: int = 5, inductor: bool = True, 
 
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be at least 1 and warmup at least 0")
-    import numba
+    from executor_svc.executor import pool_threads
 
     model, args = build(name)
-    threads = numba.get_num_threads()
+    threads = int(pool_threads())
     torch.set_num_threads(threads)  # torch and inductor on the threads kiln's kernels get
     compiled = kiln.compile(model, args, pipeline=pipeline)
     runners: dict[str, Callable[[], object]] = {"kiln": lambda: compiled(*args), "eager": lambda: model(*args)}
