@@ -192,10 +192,10 @@ def start_pool() -> None:
     its pool, on the calling thread. In a process that has imported torch, that runtime is
     torch's libgomp (one runtime serves both: torch loads it into the global namespace, and a
     libgomp loaded before torch is reused by soname), so the call resized torch's intra-op pool
-    to numba's count: measured here, torch at 2 threads and numba at 1 fell to 1 thread and ran
-    a small MLP about 2x slower after kiln's first parallel run. By default numba takes every
-    logical CPU and torch every physical core, so on an SMT machine torch's pool doubled. This
-    restores torch's thread count right after numba's pool starts."""
+    to numba's count: measured here, torch at 2 threads with numba at 1 fell to 1 thread after
+    kiln's first parallel run. By default numba takes every logical CPU and torch every physical
+    core, so on an SMT machine torch's pool doubled. This restores torch's thread count right
+    after numba's pool starts."""
     global _pool_started
     with _import_lock:
         if _pool_started:
