@@ -231,35 +231,32 @@ row, each span of the run). Click &#9662; to fold a subtree, a row for all its a
   for (const m of [1, 2, 5, 10]) {{ if (total / (step * m) <= 10) {{ step *= m; break; }} }}
   const ticks = [];
   for (let t = 0; t <= total + 1; t += step) ticks.push(t);
+  // a div of this class, at this position on the lane when given one
+  const div = (cls, left) => {{
+    const d = document.createElement("div");
+    d.className = cls;
+    if (left !== undefined) d.style.left = left;
+    return d;
+  }};
   const timeline = document.getElementById("timeline");
-  const axis = document.createElement("div");
-  axis.className = "row axis";
-  const axisLane = document.createElement("div");
-  axisLane.className = "lane";
+  const axis = div("row axis");
+  const axisLane = div("lane");
   for (const t of ticks) {{
-    const tick = document.createElement("div");
-    tick.className = "tick";
-    tick.style.left = pct(t);
-    const label = document.createElement("div");
-    label.className = "ticklabel";
-    label.style.left = pct(t);
+    const label = div("ticklabel", pct(t));
     label.textContent = tickText(t, step);
-    axisLane.append(tick, label);
+    axisLane.append(div("tick", pct(t)), label);
   }}
-  const pad = cls => Object.assign(document.createElement("div"), {{className: cls}});
-  axis.append(pad("label"), axisLane, pad("ms"), pad("attrs"));
+  axis.append(div("label"), axisLane, div("ms"), div("attrs"));
   timeline.appendChild(axis);
   const maxDepth = parseInt((location.hash.match(/depth=(\\d+)/) || [])[1] || "1000", 10);
   const detail = document.getElementById("detail");
   let selected = null;
   function add(r, depth, parentRows) {{
-    const row = document.createElement("div");
-    row.className = "row " + r.status;
+    const row = div("row " + r.status);
     row.dataset.span = r.id;
     row.dataset.depth = depth;
     if (r.count) row.dataset.count = r.count;
-    const label = document.createElement("div");
-    label.className = "label";
+    const label = div("label");
     label.style.paddingLeft = (depth * 14) + "px";
     const toggle = document.createElement("span");
     toggle.className = "toggle";
@@ -267,33 +264,21 @@ row, each span of the run). Click &#9662; to fold a subtree, a row for all its a
     name.className = "name";
     name.textContent = r.name + (r.count ? " \\u00d7" + r.count : "") + " [" + r.service + "]";
     label.append(toggle, name);
-    const lane = document.createElement("div");
-    lane.className = "lane";
-    for (const t of ticks) {{
-      const g = document.createElement("div");
-      g.className = "grid";
-      g.style.left = pct(t);
-      lane.appendChild(g);
-    }}
-    const bar = document.createElement("div");
-    bar.className = "bar";
-    bar.style.left = pct(r.start);
+    const lane = div("lane");
+    for (const t of ticks) lane.appendChild(div("grid", pct(t)));
+    const bar = div("bar", pct(r.start));
     bar.style.width = pct(r.end - r.start);
     bar.style.background = colour(r.service);
     const span = Math.max(r.end - r.start, 1);
     for (const [a, b] of r.segments) {{  // inside the parent's bar, in its own coordinates
-      const seg = document.createElement("div");
-      seg.className = "seg";
-      seg.style.left = ((a - r.start) / span * 100).toFixed(3) + "%";
+      const seg = div("seg", ((a - r.start) / span * 100).toFixed(3) + "%");
       seg.style.width = ((b - a) / span * 100).toFixed(3) + "%";
       bar.appendChild(seg);
     }}
     lane.appendChild(bar);
-    const ms = document.createElement("div");
-    ms.className = "ms";
+    const ms = div("ms");
     ms.textContent = r.ms.toFixed(2) + " ms";
-    const attrs = document.createElement("div");
-    attrs.className = "attrs";
+    const attrs = div("attrs");
     attrs.textContent = r.count ? "longest " + r.longest_ms.toFixed(2) + " ms" : r.attrs;
     row.append(label, lane, ms, attrs);
     const text = Object.entries(r.detail).map(([k, v]) => k + " = " + v).join("\\n");
