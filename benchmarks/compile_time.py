@@ -87,7 +87,10 @@ STAGES = ("kiln.export", "importer", "executor.calibrate", "optimizer.search", "
 
 
 def child(case: str, layers: int, store: str, trace: str, timeout: float) -> dict:
-    env = dict(os.environ, KILN_TRACE_FILE=trace, KILN_PROGRESS="0",
+    # the machine's own caches (compiled kernels) beside the store, not ~/.cache/kiln: a cold
+    # compile starts from nothing, and the warm one has what the cold one left
+    env = {k: v for k, v in os.environ.items() if k != "KILN_KERNEL_CACHE"}
+    env.update(KILN_TRACE_FILE=trace, KILN_PROGRESS="0", KILN_CACHE_DIR=str(Path(store).parent / "cache"),
                PYTHONPATH=str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", CHILD, case, str(layers), store], env=env, capture_output=True,
