@@ -126,12 +126,16 @@ def rows(spans: list[dict]) -> list[Row]:
     return [r for root in forest(spans) for r in of([root])]
 
 
+def _attr_text(span: dict) -> str:
+    return " ".join(f"{k.removeprefix('kiln.')}={_short(v)}" for k, v in key_attributes(span).items())
+
+
 def _row_text(row: Row) -> str:
     s = row.span
     if row.folded:
         return (f"{s['name']} ×{len(row.spans)}  [{s['service']}]  {sum(n.ms for n in row.spans):.2f} ms in all, "
                 f"longest {max(n.ms for n in row.spans):.2f} ms")
-    attrs = " ".join(f"{k.removeprefix('kiln.')}={_short(v)}" for k, v in key_attributes(s).items())
+    attrs = _attr_text(s)
     status = f"  {s['status']}: {s['message']}" if s["status"] == "ERROR" else ""
     return f"{s['name']}  [{s['service']}]  {row.spans[0].ms:.2f} ms{status}" + (f"  {attrs}" if attrs else "")
 
@@ -162,7 +166,7 @@ def _row_json(row: Row, t0: int) -> dict:
     out = {"id": s["span_id"], "name": s["name"], "service": s["service"], "status": s["status"],
            "start": start, "end": end, "ms": round(sum(n.ms for n in row.spans), 6),
            "segments": [[n.span["start_ns"] - t0, n.span["end_ns"] - t0] for n in inner],
-           "attrs": " ".join(f"{k.removeprefix('kiln.')}={_short(v)}" for k, v in key_attributes(s).items()),
+           "attrs": _attr_text(s),
            "children": [_row_json(c, t0) for c in row.children]}
     if row.folded:
         out["count"] = len(row.spans)
@@ -292,25 +296,18 @@ row, each span of the run). Click &#9662; to fold a subtree, a row for all its a
     r.children.forEach(c => add(c, depth + 1, below));
     parentRows.push(row, ...below);
     if (below.length) {{
-      let open = depth < maxDepth;  // a row is shown while no row above it is folded (hiddenBy)
-      toggle.onclick = e => {{
-        e.stopPropagation();
-        open = !open;
+      // a row is shown while no row above it is folded: hiddenBy names the folded ones
+      const setOpen = open => {{
         for (const b of below) {{
           const by = new Set((b.dataset.hiddenBy || "").split(" ").filter(Boolean));
           open ? by.delete(r.id) : by.add(r.id);
-          b.dataset.hiddenBy = [...by].join(" ");
+          if (by.size) b.dataset.hiddenBy = [...by].join(" "); else delete b.dataset.hiddenBy;
           b.style.display = by.size ? "none" : "";
         }}
         toggle.textContent = open ? "\\u25be" : "\\u25b8";
+        toggle.onclick = e => {{ e.stopPropagation(); setOpen(!open); }};
       }};
-      if (!open) {{
-        for (const b of below) {{
-          b.dataset.hiddenBy = ((b.dataset.hiddenBy || "") + " " + r.id).trim();
-          b.style.display = "none";
-        }}
-      }}
-      toggle.textContent = open ? "\\u25be" : "\\u25b8";
+      setOpen(depth < maxDepth);
     }}
   }}
   const top = [];
