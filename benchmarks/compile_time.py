@@ -57,7 +57,6 @@ def qwen2(layers):
     return Qwen2ForCausalLM(cfg).eval()
 
 p = Pipeline("file://" + store)
-built = time.perf_counter()
 if case in ("minilm", "bert-base"):
     from kiln.hf import ModelOutputTensor
     model = bert(384, layers, 12, 1536) if case == "minilm" else bert(768, layers, 12, 3072)

@@ -27,7 +27,7 @@ from kiln.v1 import ir_pb2
 
 torch.manual_seed(0)
 torch_model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)).eval()
-xt = torch.randn(128, 512)  # large enough that its GEMMs use both threads
+xt = torch.randn(128, 512)
 big = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)).eval()
 xb = torch.randn(256, 512)
 
