@@ -37,6 +37,7 @@ from kiln.core.limits import CpuLoad, memory_limit
 from kiln.core.localcache import evict_kernels, kernel_cache_cap, kernel_cache_dir
 from kiln.cas.store import BlobStore
 from kiln.core.telemetry import child_span, span, start_span, untraced
+from executor_svc.precompile import kernel_signatures, precompile
 from kiln.v1 import ir_pb2
 
 log = logging.getLogger(__name__)
@@ -519,6 +520,8 @@ class Executor:
                 raise InvalidArgument("Profile candidates must share one input signature")
         times: list[list[float]] = [[] for _ in sessions]
         with span("executor.profile", **{"kiln.candidates": len(sessions), "kiln.repeats": repeats}):
+            if first.device is None:  # the candidates' new kernels, compiled at once in worker processes
+                self._precompile(sessions, inputs)
             # one span per timed candidate; they overlap because the candidates are timed interleaved
             candidate_spans = [start_span("executor.candidate", **{"kiln.bundle": str(b), "kiln.candidate": i})
                                for i, b in enumerate(bundles)]
@@ -548,6 +551,17 @@ class Executor:
                 cs.set_attribute("kiln.others_busy", others)
                 cs.end()
         return [(b, statistics.median(t), min(t), rel, others) for b, t, rel in zip(bundles, times, relative)]
+
+
+    def _precompile(self, sessions: Sequence[Session], inputs: Sequence[tuple[str, np.ndarray]]) -> None:
+        signatures: dict = {}
+        for s in sessions:
+            args, env = check_inputs(s.inputs, inputs, s.symbols)
+            call = (*args, *s.weights, *[np.int64(env[n]) for n, _, _ in s.symbols], pool_threads())
+            for name, (kernel, sigs) in kernel_signatures(s.host, call).items():
+                signatures.setdefault(name, (kernel, set()))[1].update(sigs)
+        with span("executor.precompile", **{"kiln.kernels": len(signatures)}) as ps:
+            ps.set_attribute("kiln.compiled_in_workers", precompile(signatures))
 
 
 @contextlib.contextmanager

@@ -208,3 +208,52 @@ def test_every_candidate_of_an_encoder_matches_eager(local_pipeline):
         (_, out), = local_pipeline.run(sid, [("x", x.numpy())])
         np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5, err_msg=c.schedule)
     assert len(schedules) == 8
+
+
+def test_new_kernels_compile_in_worker_processes_and_load_from_numbas_cache(tmp_path, monkeypatch):
+    """Profile compiles the candidates' new kernels in worker processes (executor_svc/precompile.py)
+    for the argument types a dry run of each entry records; this process then loads their
+    machine code from numba's disk cache instead of compiling them, and the results are eager's."""
+    from numba.core import event
+
+    from executor_svc import precompile
+    from kiln.pipeline import Pipeline
+
+    monkeypatch.setenv("KILN_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setenv("KILN_COMPILE_WORKERS", "2")
+    monkeypatch.setattr(precompile, "MIN_WORK_S", 0.0)  # a small model: workers even for little work
+    compiled_here, in_workers = [], []
+    real = precompile.precompile
+    monkeypatch.setattr("executor_svc.executor.precompile", lambda *a, **k: in_workers.append(real(*a, **k)) or
+                        in_workers[-1])
+
+    class Compiles(event.Listener):
+        def on_start(self, ev):
+            name = ev.data["dispatcher"].py_func.__module__
+            if name.startswith("kiln_k_"):
+                compiled_here.append(name)
+
+        def on_end(self, ev):
+            pass
+
+    torch.manual_seed(7)  # shapes no other test compiles: every kernel is new to this process
+    model = torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.GELU(), torch.nn.Linear(53, 29)).eval()
+    x = torch.randn(5, 37)
+    with event.install_listener("numba:compile", Compiles()):
+        compiled = kiln.compile(model, (x,), pipeline=Pipeline(f"file://{tmp_path / 'store'}"), candidates=4)
+        out = compiled(x)
+    assert in_workers and in_workers[0] >= 2
+    assert compiled_here == []  # every kernel came from the workers' cache
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_compile_workers_setting_is_checked(monkeypatch):
+    from executor_svc.precompile import compile_workers
+    from kiln.core.errors import InvalidArgument
+
+    monkeypatch.setenv("KILN_COMPILE_WORKERS", "0")
+    with pytest.raises(InvalidArgument, match="KILN_COMPILE_WORKERS"):
+        compile_workers()
+    monkeypatch.setenv("KILN_COMPILE_WORKERS", "3")
+    assert compile_workers() == 3

@@ -1,0 +1,193 @@
+"""Compile a program's kernels in worker processes before their first call.
+
+numba compiles one function at a time in a process (its compiler lock), and a cold compile
+spends most of its time there: timing a real model's 8 candidates compiled about 85 distinct
+kernels one after another (a MiniLM-shaped encoder: 160 s of a 226 s compile, 145 s of it in the
+42 kernels with parallel loops). The kernels are independent, so they are compiled in
+KILN_COMPILE_WORKERS processes at once (default: the CPUs this process may use). Each worker
+imports the kernel's module from the kernel cache, where the executor wrote it, and compiles it
+for the argument types the program passes it; numba saves the machine code beside the module,
+and the first call in this process loads it from there instead of compiling.
+
+The argument types come from a dry run of the entry's Python function with every kernel
+replaced by a recorder: the entry only allocates buffers and slices views between kernel calls,
+so the run costs microseconds and the types are those of the real calls. A worker that fails
+costs nothing but time: the kernel is then compiled on its first call here, as without workers.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Callable, Sequence
+
+from kiln.core import progress as live
+from kiln.core.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+# below this much estimated compile work, starting workers (about a second each: a new
+# interpreter importing numba) costs more than it saves
+MIN_WORK_S = 6.0
+PARALLEL_KERNEL_S = 2.0  # a kernel with parallel loops: 1-11 s here, one prange about 2 s
+SERIAL_KERNEL_S = 0.4
+
+
+def compile_workers() -> int:
+    """KILN_COMPILE_WORKERS: processes that compile kernels at once (1: compile on first call,
+    in this process). Default: the CPUs this process may run on."""
+    v = os.environ.get("KILN_COMPILE_WORKERS", "")
+    if not v:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise InvalidArgument(f"KILN_COMPILE_WORKERS must be a whole number of processes, at least 1, got {v!r}")
+    return n
+
+
+def with_kernels(host: Callable, wrap: Callable[[str, Callable], Callable]) -> Callable:
+    """The entry's Python function with each kernel it calls (its globals named k_...) replaced
+    by wrap(name, kernel)."""
+    scope = dict(host.__globals__)
+    for name, f in host.__globals__.items():
+        if name.startswith("k_"):
+            scope[name] = wrap(name, f)
+    return types.FunctionType(host.__code__, scope, host.__name__, host.__defaults__, host.__closure__)
+
+
+def kernel_signatures(host: Callable, args: Sequence) -> dict[str, tuple[Callable, set]]:
+    """Per kernel the entry calls: its dispatcher and the numba argument types of its calls, from
+    a dry run of the entry with the kernels not run."""
+    from numba import typeof
+
+    calls: dict[str, tuple[Callable, set]] = {}
+
+    def record(name, kernel):
+        def call(*a):
+            calls.setdefault(name, (kernel, set()))[1].add(tuple(typeof(x) for x in a))
+        return call
+
+    with_kernels(host, record)(*args)
+    return calls
+
+
+def _cached(kernel) -> bool:
+    """Whether numba's disk cache holds machine code for this kernel already (an index file
+    beside its module); a wrong guess only misjudges whether workers are worth starting."""
+    py = kernel.py_func
+    path = Path(sys.modules[py.__module__].__file__)
+    return any((path.parent / "__pycache__").glob(f"{py.__module__}.{py.__qualname__}-*.nbi"))
+
+
+def estimated_seconds(kernel) -> float:
+    return PARALLEL_KERNEL_S if kernel.targetoptions.get("parallel") else SERIAL_KERNEL_S
+
+
+def precompile(kernels: dict[str, tuple[Callable, set]], workers: int = 0) -> int:
+    """Compile the kernels (name -> dispatcher, argument types) that are neither compiled in this
+    process nor in numba's disk cache, in worker processes; returns how many were compiled
+    there. Nothing is done when there is too little work to be worth the workers."""
+    workers = workers or compile_workers()
+    todo = [(k, sigs) for k, sigs in kernels.values()
+            if not all(tuple(s) in k.overloads for s in sigs) and not _cached(k)]
+    if workers < 2 or len(todo) < 2 or sum(estimated_seconds(k) for k, _ in todo) < MIN_WORK_S:
+        return 0
+    # the longest first: a parallel kernel late in the queue would leave one worker finishing alone
+    todo.sort(key=lambda job: -estimated_seconds(job[0]))
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    for k, sigs in todo:
+        module = k.py_func.__module__
+        jobs.put(base64.b64encode(pickle.dumps((module, sys.modules[module].__file__, k.py_func.__name__,
+                                                 sorted(sigs, key=str)))) + b"\n")
+    done, failed = [], []
+    t0 = time.monotonic()
+    live.count("kernels compiled", 0, len(todo))
+    threads = [threading.Thread(target=_feed, args=(jobs, done, failed, len(todo)), daemon=True)
+               for _ in range(min(workers, len(todo)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for error in failed[:3]:
+        log.warning("a compile worker failed (%s); its kernel compiles on its first call instead", error)
+    log.info("compiled %d of %d kernels in %d worker processes in %.1f s", len(done), len(todo), len(threads),
+             time.monotonic() - t0)
+    return len(done)
+
+
+def _feed(jobs: queue.SimpleQueue, done: list, failed: list, total: int) -> None:
+    """One worker process: sends it jobs from the queue one at a time until the queue is empty.
+    A worker started by a new interpreter (never forked: this process may hold thread pools, and
+    never through multiprocessing, which would run the caller's script again in it)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    with tempfile.TemporaryFile() as err:
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", "from executor_svc.precompile import serve; serve()"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
+        except OSError as e:
+            failed.append(f"cannot start a worker: {e}")
+            return
+        try:
+            while True:
+                try:
+                    job = jobs.get_nowait()
+                except queue.Empty:
+                    break
+                proc.stdin.write(job)
+                proc.stdin.flush()
+                line = proc.stdout.readline()
+                if not line:
+                    err.seek(0)
+                    failed.append(f"worker exited with {proc.wait()}: {err.read()[-2000:].decode(errors='replace')}")
+                    return
+                error = json.loads(line)
+                (failed if error else done).append(error)
+                live.count("kernels compiled", len(done), total)
+        finally:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def serve() -> None:
+    """A worker's loop: a job per line on stdin, its error (or "") per line on stdout."""
+    for line in sys.stdin.buffer:
+        module, path, symbol, signatures = pickle.loads(base64.b64decode(line))
+        sys.stdout.write(json.dumps(_compile(module, path, symbol, signatures)) + "\n")
+        sys.stdout.flush()
+
+
+def _compile(module: str, path: str, symbol: str, signatures: list) -> str:
+    """In a worker: import the kernel's module from its file under its own name (numba's cache
+    is keyed by both) and compile the kernel for each signature, which numba saves to its cache.
+    Returns an error message, or "" when done."""
+    import importlib.util
+
+    try:
+        if module not in sys.modules:
+            spec = importlib.util.spec_from_file_location(module, path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[module] = mod
+            spec.loader.exec_module(mod)
+        kernel = getattr(sys.modules[module], symbol)
+        for sig in signatures:
+            kernel.compile(sig)
+        return ""
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which compiles it itself
+        return f"{symbol}: {type(e).__name__}: {e}"
