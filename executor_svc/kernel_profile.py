@@ -14,13 +14,13 @@ from __future__ import annotations
 import re
 import statistics
 import time
-import types
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import numpy as np
 
 from executor_svc.executor import Session, check_inputs, pool_threads, random_inputs
+from executor_svc.precompile import with_kernels
 from kiln.core.errors import InvalidArgument
 
 
@@ -51,11 +51,7 @@ def kernel_times(session: Session, bundle, repeats: int = 20, symbols: Optional[
 
     kinds = {k.symbol: k.kind for k in bundle.kernels}
     order = [(name, symbol) for symbol, name in _CALL.findall(bundle.module_source)]
-    py = session.entry.py_func
-    scope = dict(py.__globals__)
-    for symbol in kinds:
-        scope[symbol] = timed(scope[symbol])
-    stepped = types.FunctionType(py.__code__, scope, py.__name__, py.__defaults__, py.__closure__)
+    stepped = with_kernels(session.entry.py_func, lambda _, kernel: timed(kernel))
     with session.lock:
         session.entry(*call_args)  # warm: nothing left to compile
         stepped(*call_args)
