@@ -298,3 +298,18 @@ def test_prediction_prices_an_epilogue_at_the_in_cache_rate():
         ops = 512 * 1024 * 3  # per element of C: the bias add, and the ReLU's compare and select
         in_cache = ops / ((cached or 2.0) * 1e9)
         assert t_split - t_fused == pytest.approx(ops / 2.0e9 - in_cache + 2e-6, rel=1e-6), cached
+
+
+def test_candidates_that_clearly_lost_stop_being_timed():
+    """Every few rounds the slower half of the candidates still timed stop (down to two), except
+    those within TIE of the best; ratios of a candidate timed in fewer rounds are over those."""
+    from executor_svc.executor import TIE, paired_ratios, still_timed
+
+    times = [[100.0] * 5, [130.0] * 5, [101.0] * 5, [100.5] * 5, [150.0] * 5, [120.0] * 5]
+    assert still_timed(times, range(6)) == [0, 2, 3]  # the faster half
+    times[5] = [100.0 * (1 + TIE / 2)] * 5
+    assert still_timed(times, range(6)) == [0, 2, 3, 5]  # and a near-tie
+    assert still_timed(times, [1, 4]) == [1, 4]  # two stay, however slow
+    # round j's fastest is over the candidates timed in round j
+    rel = paired_ratios([[100.0, 100.0, 90.0], [110.0, 120.0, 90.0], [105.0]])
+    assert rel == pytest.approx([1.0, 1.1, 1.05])
