@@ -127,6 +127,22 @@ def where(trace: str) -> dict[str, float]:
     return out
 
 
+def chosen(trace: str) -> list[dict]:
+    """Per choice in the trace (a program's candidates timed): which one won, counted from 0 in
+    the cost model's order (best predicted first), and each candidate's paired ratio and rounds."""
+    from kiln.core.telemetry import read_spans
+
+    spans = read_spans(Path(trace))
+    out = []
+    for c in (s for s in spans if s["name"] == "kiln.choose"):
+        timed = sorted((s for s in spans if s["name"] == "executor.candidate" and s["trace_id"] == c["trace_id"]
+                        and c["start_ns"] <= s["start_ns"] <= c["end_ns"]), key=lambda s: s["attributes"]["kiln.candidate"])
+        out.append({"chosen": c["attributes"].get("kiln.chosen"),
+                    "relative": [round(s["attributes"].get("kiln.relative", 0.0), 3) for s in timed],
+                    "rounds": [s["attributes"].get("kiln.rounds") for s in timed]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="minilm,bert-base,smollm2-135m,qwen2-0.5b")
@@ -147,13 +163,15 @@ def main() -> None:
             print(f"{case} ({layers} layers): cold compile ...", file=sys.stderr, flush=True)
             cold = child(case, layers, store, trace, args.timeout)
             stages = where(trace)
+            choices = chosen(trace)
             print(f"{case} ({layers} layers): warm compile ...", file=sys.stderr, flush=True)
             warm = child(case, layers, store, str(Path(d) / "warm.jsonl"), args.timeout)
         w = cold["weights_bytes"]
         row = {"case": case, "layers": layers, "cold_s": cold["compile_s"], "cold_process_s": cold["wall_s"],
                "warm_s": warm["compile_s"], "peak_rss_gb": cold["peak_rss_bytes"] / 2**30,
                "worker_peak_rss_gb": cold["peak_rss_child_bytes"] / 2**30, "weights_gb": w / 2**30,
-               "rss_target_gb": (2 * w + 2**30) / 2**30, "err": cold["err"], "stages_s": stages}
+               "rss_target_gb": (2 * w + 2**30) / 2**30, "err": cold["err"], "stages_s": stages,
+               "choices": choices}
         rows.append(row)
         print(json.dumps(row), flush=True)
     print()
