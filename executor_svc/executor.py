@@ -8,6 +8,7 @@ warm start compiles nothing, and a kernel shared by several bundles compiles onc
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import logging
 import os
@@ -362,17 +363,18 @@ class Executor:
                         a = self._weights.setdefault(key, a)
                 return a
 
-            derived = prepare_weights(bundle, read) if bundle.HasField("prepare") else {}
+            derived = self._derived_weights(bundle, manifest_d, read)
             weights = []
             for t in bundle.weights:
                 spec = tensor_spec_from_pb(t)
                 if spec.name in derived:
                     w = derived[spec.name]
-                    if tuple(w.shape) != tuple(spec.shape) or w.dtype != spec.dtype.numpy:
+                    want = np.dtype(np.uint16 if spec.dtype.is_half else spec.dtype.numpy)
+                    if w.size != evaluate_dim(numel(spec.shape), {}) or w.dtype != want:
                         raise InvalidArgument(f"bundle's prepare graph makes {spec.name!r} as {w.dtype}"
-                                              f"{list(w.shape)}, the program reads {spec.dtype.value}"
+                                              f"[{w.size}], the program reads {spec.dtype.value}"
                                               f"{format_shape(spec.shape)}")
-                    weights.append(kernel_array(np.ascontiguousarray(w).reshape(-1).copy()))
+                    weights.append(w)
                 else:
                     weights.append(bound(spec))
             if device is not None:  # uploaded once; every run of the session reads them there
@@ -384,6 +386,26 @@ class Executor:
                            tuple(weights), threading.Lock(),
                            tuple((s.name, s.min, s.max) for s in bundle.symbols),
                            memory if bundle.symbols else None, device, getattr(fn, "py_func", fn), host_only)
+
+    def _derived_weights(self, bundle, manifest_d: Digest, read) -> dict[str, np.ndarray]:
+        """The bundle's derived weights (its prepare graph over the manifest's weights) as the
+        kernels take them, shared by every session whose bundle has the same prepare graph over
+        the same weights: a compile's candidates are hoisted from one program, so 8 of them hold
+        one copy, not 8."""
+        if not bundle.HasField("prepare"):
+            return {}
+        key = f"prepare/{hashlib.sha256(bundle.prepare.SerializeToString()).hexdigest()}/{manifest_d.hash}"
+        names = list(bundle.prepare.output_names)
+        with self._lock:
+            held = {n: self._weights.get(f"{key}/{n}") for n in names}
+        if names and all(a is not None for a in held.values()):
+            return held
+        out = {}
+        for name, w in prepare_weights(bundle, read).items():
+            a = kernel_array(np.ascontiguousarray(w).reshape(-1).copy())
+            with self._lock:
+                out[name] = self._weights.setdefault(f"{key}/{name}", a)
+        return out
 
     def load(self, bundle_d: Digest, manifest_d: Digest) -> str:
         s = self.open(bundle_d, manifest_d)

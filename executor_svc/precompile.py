@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 
 from kiln.core import progress as live
 from kiln.core.errors import InvalidArgument
+from kiln.core.telemetry import current_span
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +114,10 @@ def precompile(kernels: dict[str, tuple[Callable, set]], workers: int = 0) -> in
         module = k.py_func.__module__
         jobs.put(base64.b64encode(pickle.dumps((module, sys.modules[module].__file__, k.py_func.__name__,
                                                  sorted(sigs, key=str)))) + b"\n")
-    done, failed = [], []
+    done, failed, peak_rss = [], [], [0]
     t0 = time.monotonic()
     live.count("kernels compiled", 0, len(todo))
-    threads = [threading.Thread(target=_feed, args=(jobs, done, failed, len(todo)), daemon=True)
+    threads = [threading.Thread(target=_feed, args=(jobs, done, failed, len(todo), peak_rss), daemon=True)
                for _ in range(min(workers, len(todo)))]
     for t in threads:
         t.start()
@@ -126,10 +127,11 @@ def precompile(kernels: dict[str, tuple[Callable, set]], workers: int = 0) -> in
         log.warning("a compile worker failed (%s); its kernel compiles on its first call instead", error)
     log.info("compiled %d of %d kernels in %d worker processes in %.1f s", len(done), len(todo), len(threads),
              time.monotonic() - t0)
+    current_span().set_attribute("kiln.worker_peak_rss_mb", peak_rss[0] / 2**20)
     return len(done)
 
 
-def _feed(jobs: queue.SimpleQueue, done: list, failed: list, total: int) -> None:
+def _feed(jobs: queue.SimpleQueue, done: list, failed: list, total: int, peak_rss: list) -> None:
     """One worker process: sends it jobs from the queue one at a time until the queue is empty.
     A worker started by a new interpreter (never forked: this process may hold thread pools, and
     never through multiprocessing, which would run the caller's script again in it)."""
@@ -154,8 +156,9 @@ def _feed(jobs: queue.SimpleQueue, done: list, failed: list, total: int) -> None
                     err.seek(0)
                     failed.append(f"worker exited with {proc.wait()}: {err.read()[-2000:].decode(errors='replace')}")
                     return
-                error = json.loads(line)
-                (failed if error else done).append(error)
+                reply = json.loads(line)
+                peak_rss[0] = max(peak_rss[0], reply["peak_rss"])
+                (failed if reply["error"] else done).append(reply["error"])
                 live.count("kernels compiled", len(done), total)
         finally:
             proc.stdin.close()
@@ -166,11 +169,25 @@ def _feed(jobs: queue.SimpleQueue, done: list, failed: list, total: int) -> None
 
 
 def serve() -> None:
-    """A worker's loop: a job per line on stdin, its error (or "") per line on stdout."""
+    """A worker's loop: a job per line on stdin; per line on stdout its error (or "") and the
+    worker's peak resident memory so far."""
     for line in sys.stdin.buffer:
         module, path, symbol, signatures = pickle.loads(base64.b64decode(line))
-        sys.stdout.write(json.dumps(_compile(module, path, symbol, signatures)) + "\n")
+        error = _compile(module, path, symbol, signatures)
+        sys.stdout.write(json.dumps({"error": error, "peak_rss": _peak_rss()}) + "\n")
         sys.stdout.flush()
+
+
+def _peak_rss() -> int:
+    """This process's peak resident bytes. From its address space's high-water mark where Linux
+    gives it: getrusage's figure of a process started by vfork and exec includes its parent's."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _compile(module: str, path: str, symbol: str, signatures: list) -> str:

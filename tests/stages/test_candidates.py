@@ -257,3 +257,37 @@ def test_compile_workers_setting_is_checked(monkeypatch):
         compile_workers()
     monkeypatch.setenv("KILN_COMPILE_WORKERS", "3")
     assert compile_workers() == 3
+
+
+def test_sessions_over_one_prepare_graph_share_its_derived_weights(local_pipeline):
+    """A compile's candidates are hoisted from one program: the weights their prepare graph
+    derives are computed once and held once by every session that binds them."""
+    from kiln.ir.dtypes import torch_to_numpy
+    from kiln.v1 import ir_pb2
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8)).eval()
+    x = torch.randn(6, 24)
+
+    class Scaled(torch.nn.Module):  # weight-only work (a scaled weight) that the optimizer hoists
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return self.inner[2](torch.relu(torch.nn.functional.linear(x, self.inner[0].weight * 0.5)))
+
+    scaled = Scaled().eval()
+    compiled = kiln.compile(scaled, (x,), pipeline=local_pipeline, candidates=1)
+    bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
+    assert bundle.HasField("prepare") and bundle.prepare.output_names
+    executor = local_pipeline.local_executor()
+    a = executor.open(compiled.result.bundle, compiled.result.manifest)
+    b = executor.open(compiled.result.bundle, compiled.result.manifest)
+    names = [t.name for t in bundle.weights]
+    derived = [i for i, n in enumerate(names) if n in set(bundle.prepare.output_names)]
+    assert derived and all(a.weights[i] is b.weights[i] for i in derived)
+    with torch.no_grad():
+        want = scaled(x)
+    (_, out), = executor.run_session(b, [("x", torch_to_numpy(x))])
+    np.testing.assert_allclose(out, want.numpy(), rtol=1e-4, atol=1e-5)
