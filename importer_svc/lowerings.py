@@ -377,6 +377,25 @@ def lower_addmm(b, node, bias, x, y, beta=1, alpha=1):
     return C.add(b, r, bias)
 
 
+@register_lowering(aten.linear.default)
+def lower_linear(b, node, x, w, bias=None):
+    """x · wᵀ + bias as core ATen decomposes it (export leaves linear whole when the program needs no
+    decomposition, importer.lower_program): the leading dims flattened into rows, one 2-d GEMM."""
+    shape = b.shape(x)
+    rows = x if len(shape) == 2 else b.reshape(x, (_product(shape[:-1]), shape[-1]))
+    r = C.matmul(b, rows, b.permute(w, (1, 0)))
+    if len(shape) != 2:
+        r = b.reshape(r, (*shape[:-1], b.shape(w)[0]))
+    return r if bias is None else C.add(b, r, bias)
+
+
+def _product(dims):
+    total = 1
+    for d in dims:
+        total = d * total
+    return total
+
+
 @register_lowering(aten.embedding.default)
 def lower_embedding(b, node, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     v, h = b.shape(weight)
@@ -530,13 +549,13 @@ def lower_constant_pad_nd(b, node, x, pad, value=0):
 
 
 @register_lowering(aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
-                   aten.lift_fresh_copy.default)
+                   aten.lift_fresh_copy.default, aten.detach_.default)  # detach_: no value changes
 def lower_identity(b, node, x, **_):
     return x
 
 
-@register_lowering(aten._to_copy.default)
-def lower_to_copy(b, node, x, **_):
+@register_lowering(aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout)
+def lower_to_copy(b, node, x, *_, **__):
     return b.cast(x, out_dtype(node))
 
 
@@ -560,6 +579,11 @@ def lower_full_like(b, node, x, value, **_):
 @register_lowering(aten.zeros_like.default)
 def lower_zeros_like(b, node, x, **_):
     return b.const(0, out_dtype(node), b.shape(x))
+
+
+@register_lowering(aten.new_ones.default)
+def lower_new_ones(b, node, x, size, **_):
+    return b.const(1, out_dtype(node), _static_shape(node))
 
 
 @register_lowering(aten.ones_like.default)
@@ -597,14 +621,14 @@ def lower_assertion(b, node, *args, **kwargs):
     return None
 
 
-@register_lowering(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar)
+@register_lowering(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, aten.__and__.Tensor)
 def lower_bitwise_and(b, node, x, y):
     if out_dtype(node) is not DType.BOOL:
         raise NotImplementedError("bitwise_and on integers")
     return C.logical_and(b, _to(b, x, DType.BOOL, y), _to(b, y, DType.BOOL, x))
 
 
-@register_lowering(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar)
+@register_lowering(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar, aten.__or__.Tensor)
 def lower_bitwise_or(b, node, x, y):
     if out_dtype(node) is not DType.BOOL:
         raise NotImplementedError("bitwise_or on integers")
