@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import io
 import re
 import threading
@@ -26,6 +28,8 @@ from kiln.cas.store import BlobStore
 from kiln.core.telemetry import span
 from kiln.ir.dtypes import torch_to_numpy
 from kiln.v1 import ir_pb2
+
+aten = torch.ops.aten
 
 STAGE_VERSION = "importer-1-" + cache.code_version("importer_svc", "kiln.ir")
 
@@ -81,11 +85,27 @@ def required_ops(ep: torch.export.ExportedProgram) -> list[OpUse]:
     return [OpUse(op, n, ok, where) for op, (n, ok, where) in sorted(uses.items())]
 
 
+# ops that decomposition would rewrite but whose lowering takes every form of them, so a program may
+# keep them: a Llama's linear, its mask's new_ones and &, its rotary embedding's arange and
+# transpose, silu. matmul is not here: its lowering takes only what decomposition leaves of it.
+WHOLE = frozenset((aten.linear.default, aten.new_ones.default, aten.__and__.Tensor, aten.__or__.Tensor,
+                   aten.arange.default, aten.transpose.int, aten.silu.default, aten.sym_size.int))
+
+
+@functools.lru_cache(maxsize=1)
+def _decomposed() -> frozenset:
+    """The ops decompose() rewrites."""
+    return frozenset(op for op in torch.export.default_decompositions().keys() if op not in KEEP_UNDECOMPOSED)
+
+
 def lowered_whole(ep: torch.export.ExportedProgram) -> bool:
-    """Whether every op of the exported program has a lowering as it is: then the program is lowered
-    without decomposing it first. Decomposition traces the whole program again (an 8-layer Llama's
-    prefill: 14 s); an op with no lowering (a composite, or one that mutates) still goes through it."""
-    return all(n.target in LOWERINGS for n in ep.graph.nodes if n.op == "call_function")
+    """Whether the exported program can be lowered without decomposing it first: every op has a
+    lowering, and is one decomposition would leave as it is (so its lowering sees the forms it
+    always sees) or one in WHOLE. Decomposition traces the whole program again (an 8-layer Llama's
+    prefill: 14 s); a program with any other op still goes through it."""
+    decomposed = _decomposed()
+    return all(n.target in LOWERINGS and (n.target not in decomposed or n.target in WHOLE)
+               for n in ep.graph.nodes if n.op == "call_function")
 
 
 def lower_program(ep: torch.export.ExportedProgram) -> tuple[Graph, dict[str, torch.Tensor]]:
