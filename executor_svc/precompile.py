@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 MIN_WORK_S = 6.0
 PARALLEL_KERNEL_S = 2.0  # a kernel with parallel loops: 1-11 s here, one prange about 2 s
 SERIAL_KERNEL_S = 0.4
+JOB_TIMEOUT_S = 900.0  # a kernel a worker has not compiled by then is compiled here instead
 
 
 def compile_workers() -> int:
@@ -149,9 +150,17 @@ def _feed(jobs: queue.SimpleQueue, done: list, failed: list, total: int, peak_rs
                     job = jobs.get_nowait()
                 except queue.Empty:
                     break
-                proc.stdin.write(job)
-                proc.stdin.flush()
-                line = proc.stdout.readline()
+                # a worker that hangs is killed, never waited on forever; its kernel then compiles here
+                watchdog = threading.Timer(JOB_TIMEOUT_S, proc.kill)
+                watchdog.start()
+                try:
+                    proc.stdin.write(job)
+                    proc.stdin.flush()
+                    line = proc.stdout.readline()
+                except OSError:  # the worker died before it read the job
+                    line = b""
+                finally:
+                    watchdog.cancel()
                 if not line:
                     err.seek(0)
                     failed.append(f"worker exited with {proc.wait()}: {err.read()[-2000:].decode(errors='replace')}")
@@ -161,11 +170,12 @@ def _feed(jobs: queue.SimpleQueue, done: list, failed: list, total: int, peak_rs
                 (failed if reply["error"] else done).append(reply["error"])
                 live.count("kernels compiled", len(done), total)
         finally:
-            proc.stdin.close()
             try:
+                proc.stdin.close()
                 proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
+            except (OSError, subprocess.TimeoutExpired):
                 proc.kill()
+                proc.wait()
 
 
 def serve() -> None:

@@ -86,10 +86,12 @@ def required_ops(ep: torch.export.ExportedProgram) -> list[OpUse]:
 
 
 # ops that decomposition would rewrite but whose lowering takes every form of them, so a program may
-# keep them: a Llama's linear, its mask's new_ones and &, its rotary embedding's arange and
-# transpose, silu. matmul is not here: its lowering takes only what decomposition leaves of it.
-WHOLE = frozenset((aten.linear.default, aten.new_ones.default, aten.__and__.Tensor, aten.__or__.Tensor,
-                   aten.arange.default, aten.transpose.int, aten.silu.default, aten.sym_size.int))
+# keep them: a Llama's linear, its mask's new_ones, ones_like and &, its rotary embedding's arange
+# and transpose, silu (a Llama's prefill and decode must both qualify, or neither: their programs
+# then bind the same weight arrays). matmul is not here: its lowering takes only what decomposition leaves of it.
+WHOLE = frozenset((aten.linear.default, aten.new_ones.default, aten.ones_like.default, aten.zeros_like.default,
+                   aten.full_like.default, aten.__and__.Tensor, aten.__or__.Tensor, aten.arange.default,
+                   aten.transpose.int, aten.silu.default, aten.sym_size.int))
 
 
 @functools.lru_cache(maxsize=1)

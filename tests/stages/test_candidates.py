@@ -291,3 +291,28 @@ def test_sessions_over_one_prepare_graph_share_its_derived_weights(local_pipelin
         want = scaled(x)
     (_, out), = executor.run_session(b, [("x", torch_to_numpy(x))])
     np.testing.assert_allclose(out, want.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_compile_workers_that_die_cost_only_time(tmp_path, monkeypatch):
+    """A worker that cannot start or dies leaves its kernels to be compiled on their first call
+    here: the compile still succeeds and gives eager's results."""
+    import sys
+
+    from executor_svc import precompile
+    from kiln.pipeline import Pipeline
+
+    monkeypatch.setenv("KILN_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setenv("KILN_COMPILE_WORKERS", "2")
+    monkeypatch.setattr(precompile, "MIN_WORK_S", 0.0)
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # every worker exits at once
+    in_workers = []
+    real = precompile.precompile
+    monkeypatch.setattr("executor_svc.executor.precompile", lambda *a, **k: in_workers.append(real(*a, **k)) or
+                        in_workers[-1])
+    torch.manual_seed(8)
+    model = torch.nn.Sequential(torch.nn.Linear(19, 41), torch.nn.Tanh(), torch.nn.Linear(41, 11)).eval()
+    x = torch.randn(3, 19)
+    compiled = kiln.compile(model, (x,), pipeline=Pipeline(f"file://{tmp_path / 'store'}"), candidates=4)
+    assert in_workers == [0]
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
