@@ -581,8 +581,9 @@ class Executor:
                 cs.end()
         return [(b, statistics.median(t), min(t), rel, others) for b, t, rel in zip(bundles, times, relative)]
 
-
     def _precompile(self, sessions: Sequence[Session], inputs: Sequence[tuple[str, np.ndarray]]) -> None:
+        """Every kernel the sessions call, for the argument types these inputs give it, compiled
+        in worker processes before the first timed run (executor_svc/precompile.py)."""
         signatures: dict = {}
         for s in sessions:
             args, env = check_inputs(s.inputs, inputs, s.symbols)
