@@ -383,9 +383,11 @@ def lower_linear(b, node, x, w, bias=None):
     decomposition, importer.lower_program): the leading dims flattened into rows, one 2-d GEMM."""
     shape = b.shape(x)
     rows = x if len(shape) == 2 else b.reshape(x, (_product(shape[:-1]), shape[-1]))
-    r = C.matmul(b, rows, b.permute(w, (1, 0)))
-    if len(shape) != 2:
-        r = b.reshape(r, (*shape[:-1], b.shape(w)[0]))
+    vector = len(b.shape(w)) == 1  # a weight of one output: x · w, the last dim dropped
+    r = C.matmul(b, rows, b.reshape(w, (b.shape(w)[0], 1)) if vector else b.permute(w, (1, 0)))
+    out = shape[:-1] if vector else (*shape[:-1], b.shape(w)[0])
+    if tuple(b.shape(r)) != tuple(out):
+        r = b.reshape(r, tuple(out))
     return r if bias is None else C.add(b, r, bias)
 
 

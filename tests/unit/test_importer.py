@@ -121,6 +121,8 @@ CASES = {
                           (torch.randn(2, 3, 4, 4),)),
     "maximum": (lambda x, y: torch.maximum(x, y) + torch.minimum(x, y), (edge, edge.flip(0))),
     "linear_no_bias": (lambda x, w: F.linear(x, w), (torch.randn(3, 4), torch.randn(6, 4))),
+    "linear_vector_input": (lambda x, w, b: F.linear(x, w, b), (torch.randn(4), torch.randn(6, 4), torch.randn(6))),
+    "linear_vector_weight": (lambda x, w: F.linear(x, w), (torch.randn(2, 3, 4), torch.randn(4))),
     "to_half_and_back": (lambda x: x.to(torch.float16).to(torch.float32) * 2, (x34,)),
     "and_or_bool": (lambda x, y: (((x > 0) & (y > 0)) | (x > 1)).to(torch.float32), (x34, y34)),
     "new_ones": (lambda x: x + x.new_ones(3, 4), (x34,)),
