@@ -585,10 +585,10 @@ class Executor:
         """Every kernel the sessions call, for the argument types these inputs give it, compiled
         in worker processes before the first timed run (executor_svc/precompile.py)."""
         signatures: dict = {}
+        args, env = check_inputs(sessions[0].inputs, inputs, sessions[0].symbols)  # one signature (profile checks)
+        rest = (*[np.int64(env[n]) for n, _, _ in sessions[0].symbols], pool_threads())
         for s in sessions:
-            args, env = check_inputs(s.inputs, inputs, s.symbols)
-            call = (*args, *s.weights, *[np.int64(env[n]) for n, _, _ in s.symbols], pool_threads())
-            for name, (kernel, sigs) in kernel_signatures(s.host, call).items():
+            for name, (kernel, sigs) in kernel_signatures(s.host, (*args, *s.weights, *rest)).items():
                 signatures.setdefault(name, (kernel, set()))[1].update(sigs)
         with span("executor.precompile", **{"kiln.kernels": len(signatures)}) as ps:
             ps.set_attribute("kiln.compiled_in_workers", precompile(signatures))

@@ -18,7 +18,7 @@ from kiln.ir.builder import GraphBuilder, NodeId
 from kiln.ir.dtypes import DType
 from kiln.ir.ops import Op
 from kiln.core.errors import FailedPrecondition
-from kiln.ir.shape import Sym
+from kiln.ir.shape import Sym, numel
 
 aten = torch.ops.aten
 
@@ -382,20 +382,13 @@ def lower_linear(b, node, x, w, bias=None):
     """x · wᵀ + bias as core ATen decomposes it (export leaves linear whole when the program needs no
     decomposition, importer.lower_program): the leading dims flattened into rows, one 2-d GEMM."""
     shape = b.shape(x)
-    rows = x if len(shape) == 2 else b.reshape(x, (_product(shape[:-1]), shape[-1]))
+    rows = x if len(shape) == 2 else b.reshape(x, (numel(shape[:-1]), shape[-1]))
     vector = len(b.shape(w)) == 1  # a weight of one output: x · w, the last dim dropped
     r = C.matmul(b, rows, b.reshape(w, (b.shape(w)[0], 1)) if vector else b.permute(w, (1, 0)))
     out = shape[:-1] if vector else (*shape[:-1], b.shape(w)[0])
     if tuple(b.shape(r)) != tuple(out):
         r = b.reshape(r, tuple(out))
     return r if bias is None else C.add(b, r, bias)
-
-
-def _product(dims):
-    total = 1
-    for d in dims:
-        total = d * total
-    return total
 
 
 @register_lowering(aten.embedding.default)

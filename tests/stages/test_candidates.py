@@ -210,22 +210,34 @@ def test_every_candidate_of_an_encoder_matches_eager(local_pipeline):
     assert len(schedules) == 8
 
 
+def _count_worker_compiles(tmp_path, monkeypatch) -> list[int]:
+    """An empty kernel cache, two compile workers even for a small model's little work, and the
+    list each Profile's precompile appends how many kernels its workers compiled to."""
+    from executor_svc import precompile
+
+    monkeypatch.setenv("KILN_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setenv("KILN_COMPILE_WORKERS", "2")
+    monkeypatch.setattr(precompile, "MIN_WORK_S", 0.0)
+    counts, real = [], precompile.precompile
+
+    def counted(*args, **kwargs):
+        counts.append(real(*args, **kwargs))
+        return counts[-1]
+
+    monkeypatch.setattr("executor_svc.executor.precompile", counted)
+    return counts
+
+
 def test_new_kernels_compile_in_worker_processes_and_load_from_numbas_cache(tmp_path, monkeypatch):
     """Profile compiles the candidates' new kernels in worker processes (executor_svc/precompile.py)
     for the argument types a dry run of each entry records; this process then loads their
     machine code from numba's disk cache instead of compiling them, and the results are eager's."""
     from numba.core import event
 
-    from executor_svc import precompile
     from kiln.pipeline import Pipeline
 
-    monkeypatch.setenv("KILN_KERNEL_CACHE", str(tmp_path / "kernels"))
-    monkeypatch.setenv("KILN_COMPILE_WORKERS", "2")
-    monkeypatch.setattr(precompile, "MIN_WORK_S", 0.0)  # a small model: workers even for little work
-    compiled_here, in_workers = [], []
-    real = precompile.precompile
-    monkeypatch.setattr("executor_svc.executor.precompile", lambda *a, **k: in_workers.append(real(*a, **k)) or
-                        in_workers[-1])
+    in_workers = _count_worker_compiles(tmp_path, monkeypatch)
+    compiled_here = []
 
     class Compiles(event.Listener):
         def on_start(self, ev):
@@ -298,17 +310,10 @@ def test_compile_workers_that_die_cost_only_time(tmp_path, monkeypatch):
     here: the compile still succeeds and gives eager's results."""
     import sys
 
-    from executor_svc import precompile
     from kiln.pipeline import Pipeline
 
-    monkeypatch.setenv("KILN_KERNEL_CACHE", str(tmp_path / "kernels"))
-    monkeypatch.setenv("KILN_COMPILE_WORKERS", "2")
-    monkeypatch.setattr(precompile, "MIN_WORK_S", 0.0)
+    in_workers = _count_worker_compiles(tmp_path, monkeypatch)
     monkeypatch.setattr(sys, "executable", "/bin/false")  # every worker exits at once
-    in_workers = []
-    real = precompile.precompile
-    monkeypatch.setattr("executor_svc.executor.precompile", lambda *a, **k: in_workers.append(real(*a, **k)) or
-                        in_workers[-1])
     torch.manual_seed(8)
     model = torch.nn.Sequential(torch.nn.Linear(19, 41), torch.nn.Tanh(), torch.nn.Linear(41, 11)).eval()
     x = torch.randn(3, 19)
