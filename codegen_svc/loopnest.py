@@ -143,6 +143,16 @@ class LoopNest:
         # back by the later loops instead of computed again (a softmax's exponentials)
         self.row_store: dict[int, str] = {}  # planned: node -> its row array
         self.row_cache: dict[int, tuple[str, tuple]] = {}  # stored: node -> (row array, the row's index)
+        self.locals: dict[tuple[str, int], str] = {}  # (prefix, node) -> its local's name, see local()
+
+    def local(self, prefix: str, node: int) -> str:
+        """The name of the local holding a node's value (a row's reduction, a row value), numbered
+        within the kernel in the order they are first named, never by the graph's node ids: the same
+        kernel in two layers (or two programs) is then the same text, hashed, cached and compiled once."""
+        key = (prefix, node)
+        if key not in self.locals:
+            self.locals[key] = f"{prefix}{sum(1 for p, _ in self.locals if p == prefix)}"
+        return self.locals[key]
 
     def let(self, expr: str) -> str:
         if expr.isidentifier() or expr.isdigit():

@@ -237,7 +237,8 @@ def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Ker
                     nodes |= set(ek.nodes)
                     reads = (reads | set(ek.reads)) - {root}
                     gone.add(root)
-            fused[pv.output] = Kernel("", "attention", tuple(sorted(nodes)), pv.output, tuple(sorted(reads)),
+            nodes = tuple(sorted(nodes))
+            fused[pv.output] = Kernel("", "attention", nodes, pv.output, in_use_order(g, nodes, reads),
                                       False, a, gi)
             gone |= {qk.output, r.output}
             break
@@ -442,4 +443,16 @@ def _collect(g: Graph, root: int, materialize):
         inside.append(j)
 
     visit(root, True)
-    return inside, sorted(set(reads))
+    return inside, reads  # in the order the kernel's computation first reads them (see in_use_order)
+
+
+def in_use_order(g: Graph, nodes, reads) -> tuple[int, ...]:
+    """A kernel's reads in the order its nodes (in topological order) first use them, never by
+    node id: the same layer repeated reads its weights and activations in the same order, so its
+    kernels get the same argument lists and codegen writes (and numba compiles) each one once."""
+    reads, order = set(reads), {}
+    for j in nodes:
+        for x in g.nodes[j].inputs:
+            if x in reads:
+                order.setdefault(x, len(order))
+    return tuple(sorted(reads, key=lambda x: (order.get(x, len(order)), x)))

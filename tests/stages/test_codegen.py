@@ -291,6 +291,38 @@ class _Norms(torch.nn.Module):
         return s, self.ln(y), r
 
 
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linears = torch.nn.ModuleList(torch.nn.Linear(24, 24) for _ in range(2))
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(24) for _ in range(2))
+
+    def forward(self, x, mask):
+        for lin, ln in zip(self.linears, self.norms):
+            x = ln(torch.softmax(lin(x) + mask, -1) * x)
+        return x
+
+
+def test_identical_layers_share_their_kernels(local_pipeline):
+    """Two layers of one shape emit the same kernel text, so the bundle names (and numba
+    compiles) each of their kernels once: a kernel's locals are numbered within it, never by
+    the graph's node ids, which differ from layer to layer."""
+    torch.manual_seed(0)
+    m = _TwoLayers()
+    with torch.no_grad():
+        for ln in m.norms:
+            ln.weight.normal_()
+    x, mask = torch.randn(3, 5, 24), torch.zeros(3, 5, 24)
+    mask[0, :, 10:] = float("-inf")
+    compiled = kiln.compile(m, (x, mask), pipeline=local_pipeline, candidates=1)
+    kernels = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle).kernels
+    symbols = [k.symbol for k in kernels]
+    assert len(symbols) >= 2 and len(set(symbols)) * 2 == len(symbols), [(k.kind, k.symbol) for k in kernels]
+    with torch.no_grad():
+        ref = m(x, mask)
+    assert torch.allclose(compiled(x, mask), ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softmax_and_norms_are_one_row_kernel_each(local_pipeline, dtype):
     """Softmax, layer norm and RMS norm: their reductions and the elementwise work reading them

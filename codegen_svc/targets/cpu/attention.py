@@ -61,8 +61,8 @@ class AttentionKernel:
                 n = g.nodes[src]
                 if (g.nodes[q].op is Op.SUM_REDUCE and n.op is Op.EXP2 and src in self.shared
                         and src not in self.reads and tuple(n.shape) == tuple(S)):
-                    self.row_store[src] = f"e{src}"
-                    lines.append(f"        e{src} = np.empty({code_dim(Ns)}, dtype={COMPUTE_TYPE[n.dtype]})")
+                    self.row_store[src] = self.local("e", src)
+                    lines.append(f"        {self.row_store[src]} = np.empty({code_dim(Ns)}, dtype={COMPUTE_TYPE[n.dtype]})")
         lines += [
                   f"        np.dot({q_at.format(bi='bi')}[m0:m1], {k_at.format(bi='bi')}, st[0:m1 - m0])",
                   "        for r in range(m1 - m0):",

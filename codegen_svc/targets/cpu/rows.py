@@ -104,11 +104,12 @@ class RowKernel:
                 q2, c = pairs[q]
                 lines += self.online_softmax(pad, q, q2, c, idx)
                 done.add(q2)
-                self.row_values[q2] = f"acc{q2}"
+                self.row_values[q2] = self.local("acc", q2)
             else:
-                lines += self.reduction(pad, q, idx, f"acc{q}")
+                lines += self.reduction(pad, q, idx, self.local("acc", q))
             # the value a buffer would have held: 16-bit floats round as they would be stored
-            self.row_values[q] = f"{ROUND_FN[r.dtype]}(acc{q})" if r.dtype.is_half else f"acc{q}"
+            acc = self.local("acc", q)
+            self.row_values[q] = f"{ROUND_FN[r.dtype]}({acc})" if r.dtype.is_half else acc
             lines += self.row_locals(pad, idx)
         return lines
 
@@ -128,8 +129,9 @@ class RowKernel:
             deps = [view_root(g, x)[0] for x in n.inputs]
             if any(d in self.inside and d not in self.row_values and g.nodes[d].op is not Op.CONSTANT for d in deps):
                 continue  # reads a row value not computed yet
-            lines += self.statement(pad, lambda: f"rv{q} = {self.value(q, ridx)}")
-            self.row_values[q] = f"rv{q}"
+            rv = self.local("rv", q)
+            lines += self.statement(pad, lambda: f"{rv} = {self.value(q, ridx)}")
+            self.row_values[q] = rv
         return lines
 
     def online_softmax(self, pad: str, q1: int, q2: int, c: float, idx) -> list[str]:
@@ -140,7 +142,7 @@ class RowKernel:
         y = r.inputs[0]
         ridx = list(idx)
         ridx[r.axis] = "ra"
-        m, l, n = f"acc{q1}", f"acc{q2}", code_dim(self.g.nodes[y].shape[r.axis])
+        m, l, n = self.local("acc", q1), self.local("acc", q2), code_dim(self.g.nodes[y].shape[r.axis])
         ninf, scale = self.const(-math.inf, r.dtype), self.const(c, r.dtype)
         lines = [pad + f"{m} = {ninf}", pad + f"{l} = {self.const(0.0, r.dtype)}", pad + f"for ra in range({n}):"]
         lines += self.statement(pad + "    ", lambda: f"v = {self.value(y, tuple(ridx))}")
