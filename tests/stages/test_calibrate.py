@@ -155,7 +155,8 @@ def test_candidates_are_ranked_by_paired_ratios_not_medians():
 
 def test_each_timed_run_follows_one_of_its_own(local_pipeline, monkeypatch):
     """Candidates are timed round-robin, and each timed run right after an untimed run of the same
-    candidate, so one candidate's cache state never lands on the next one's time."""
+    candidate, so one candidate's cache state never lands on the next one's time (unless their runs
+    are all long: PAIR_BELOW_S)."""
     import time as time_module
 
     model, inputs = mlp_example()
@@ -183,6 +184,16 @@ def test_each_timed_run_follows_one_of_its_own(local_pipeline, monkeypatch):
     rounds = [timed[i:i + 4] for i in range(0, len(timed), 4)]
     assert len(rounds) == 6 and [r[0][1] for r in rounds] == [searched.bundle, unsearched.bundle] * 3
     assert all([kind for kind, _ in r] == ["run", "clock", "run", "clock"] and r[0] == r[2] for r in rounds)
+    # candidates whose runs all take PAIR_BELOW_S or longer go unpaired after the first round: a run
+    # that long streams more than the caches hold, and it halves a real model's timing
+    monkeypatch.setattr("executor_svc.executor.PAIR_BELOW_S", 0.0)
+    events.clear()
+    local_pipeline.profile([searched.bundle, unsearched.bundle], searched.manifest, repeats=3)
+    timed = events[[i for i, (kind, _) in enumerate(events) if kind == "run"][2]:]
+    first, rest = timed[:8], timed[8:]
+    assert [kind for kind, _ in first] == ["run", "clock", "run", "clock"] * 2
+    assert [kind for kind, _ in rest] == ["clock", "run", "clock"] * 4
+    assert [b for kind, b in rest if kind == "run"] == [searched.bundle, unsearched.bundle] * 2
 
 
 def test_profile_rejects_bad_requests(remote_pipeline):
