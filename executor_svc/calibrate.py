@@ -32,7 +32,8 @@ from kiln.core.errors import FailedPrecondition
 from kiln.core.limits import CpuLoad, contended_share, quieter_now
 from kiln.cas.store import BlobStore
 from kiln.core.telemetry import span
-from kiln.runtime.vectorwidth import host_widths, pipeline as vector_pipeline
+from kiln.runtime.pipeline import kernel_pipeline
+from kiln.runtime.vectorwidth import host_widths
 from kiln.v1 import ir_pb2, services_pb2
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ def measure_cpu(repeats: int = 7) -> services_pb2.TargetProfile:
     def gemm(a, b, c):
         np.dot(a, b, c)
 
-    @njit(parallel=True, cache=False, nogil=True)
+    @njit(parallel=True, cache=False, nogil=True, pipeline_class=kernel_pipeline())  # compiled as kernels are
     def triad(a, b, c):  # c = a + 2b: 12 bytes moved per element
         for i in prange(a.size):
             c[i] = a[i] + np.float32(2.0) * b[i]
@@ -168,13 +169,12 @@ def measure_cpu(repeats: int = 7) -> services_pb2.TargetProfile:
                     c[j] = np.float32(0.5) * c[j] + a[j] * b[j]
 
     def in_cache(width: int = 0):  # that loop, compiled as a kernel scheduled with this vector width
-        options = {"pipeline_class": vector_pipeline(width)} if width else {}
         return njit(parallel=True, cache=False, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"},
-                    **options)(passes_over_cache)
+                    pipeline_class=kernel_pipeline(width))(passes_over_cache)
 
     triad_passes = in_cache()
 
-    @njit(parallel=True, cache=False, nogil=True)
+    @njit(parallel=True, cache=False, nogil=True, pipeline_class=kernel_pipeline())
     def tiny(a):
         for i in prange(a.size):
             a[i] += np.float32(1.0)

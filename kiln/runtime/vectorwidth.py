@@ -4,7 +4,8 @@ numba gives no per-function control of the vector width: LLVM's loop vectorizer 
 the target (on x86 with AVX-512, LLVM prefers 256-bit vectors unless told otherwise). LLVM does
 read a function attribute, "prefer-vector-width"="N", that sets the widest vector the
 vectorizer uses in that function. A kernel emitted with a width names
-`pipeline_class=pipeline(N)`: its lowering pass marks every function lowered while it runs
+`pipeline_class=kernel_pipeline(N)` (kiln.runtime.pipeline): its lowering pass marks (`marking`)
+every function lowered while it runs
 (the kernel itself and the parallel gufuncs numba outlines from its prange loops, which are
 compiled inside that lowering) with the attribute, through one wrapper around numba's CPU
 target post-lowering hook, installed on first use. Functions compiled outside such a lowering
@@ -13,8 +14,8 @@ are untouched. The choice is a schedule the search offers and times (rules/sched
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from functools import lru_cache
 
 from kiln.ir.graph import VECTOR_WIDTHS as WIDTHS  # bits; 0 (no attribute): LLVM's own choice for the target
 
@@ -79,38 +80,17 @@ def _install() -> None:
         _installed = True
 
 
-@lru_cache(maxsize=None)
-def pipeline(width: int):
-    """A numba compiler pipeline (njit's `pipeline_class`) whose lowering marks what it lowers
-    with the vector width `width` (bits)."""
-    if width not in WIDTHS:
+@contextlib.contextmanager
+def marking(width: int):
+    """While it is open (a kernel's lowering, see kiln.runtime.pipeline), every function lowered is
+    marked with the vector width `width` (bits; 0: none, LLVM's own choice)."""
+    if width and width not in WIDTHS:
         raise ValueError(f"vector width must be one of {WIDTHS} bits, not {width}")
-    _install()
-    from numba.core.compiler import CompilerBase, DefaultPassBuilder
-    from numba.core.compiler_machinery import register_pass
-    from numba.core.typed_passes import NativeLowering, NativeParforLowering
-
-    def marked(base):
-        def run_pass(self, state):
-            outer = getattr(_state, "width", 0)
-            _state.width = width
-            try:
-                return base.run_pass(self, state)
-            finally:
-                _state.width = outer
-
-        cls = type(f"{base.__name__}Width{width}", (base,), {"_name": f"{base._name}_width{width}",
-                                                            "run_pass": run_pass})
-        return register_pass(mutates_CFG=True, analysis_only=False)(cls)
-
-    lowering = {NativeLowering: marked(NativeLowering), NativeParforLowering: marked(NativeParforLowering)}
-
-    class Pipeline(CompilerBase):
-        def define_pipelines(self):
-            pm = DefaultPassBuilder.define_nopython_pipeline(self.state)
-            pm.passes = [(lowering.get(p, p), desc) for p, desc in pm.passes]
-            pm.finalize()
-            return [pm]
-
-    Pipeline.__name__ = Pipeline.__qualname__ = f"VectorWidth{width}Pipeline"
-    return Pipeline
+    if width:
+        _install()
+    outer = getattr(_state, "width", 0)
+    _state.width = width
+    try:
+        yield
+    finally:
+        _state.width = outer

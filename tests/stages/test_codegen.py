@@ -363,7 +363,7 @@ def test_searched_vector_width_compiles_and_matches(local_pipeline):
     assert len(rows) == 3 and all(k.vector == 512 for k in rows), [(k.kind, k.vector) for k in kg.kernels]
     bundle = local_pipeline.store.get_message(compiled.result.bundle, ir_pb2.Bundle)
     sources = [k.source for k in bundle.kernels if k.kind == "row"]
-    assert all("pipeline_class=_vector_pipeline(512)" in src for src in sources)
+    assert all("pipeline_class=_kernel_pipeline(512)" in src for src in sources)
     with torch.no_grad():
         for got, ref in pairs(compiled(*args), m(*args)):
             assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from numba import njit, prange
 
-from kiln.runtime.vectorwidth import host_widths, pipeline
+from kiln.runtime.pipeline import kernel_pipeline
+from kiln.runtime.vectorwidth import host_widths
 
 
 def _softmax_rows(x, out):
@@ -24,7 +25,7 @@ def _softmax_rows(x, out):
 
 
 def _compiled(width: int):
-    options = {"pipeline_class": pipeline(width)} if width else {}
+    options = {"pipeline_class": kernel_pipeline(width)} if width else {}
     fn = njit(parallel=True, error_model="numpy", fastmath={"reassoc", "contract"}, **options)(_softmax_rows)
     x = np.random.default_rng(0).standard_normal((16, 1000)).astype(np.float32)
     out = np.empty_like(x)
@@ -55,4 +56,4 @@ def test_width_reaches_the_parallel_loops_llvm_vectorizes():
 def test_unknown_widths_are_refused():
     assert 128 in host_widths()
     with pytest.raises(ValueError, match="vector width"):
-        pipeline(384)
+        kernel_pipeline(384)

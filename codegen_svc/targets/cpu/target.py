@@ -35,8 +35,9 @@ import numpy as np
 from numba import njit, prange
 '''
 
-# a kernel scheduled with a vector width compiles through a pipeline that asks LLVM for it
-VECTOR_IMPORT = "from kiln.runtime.vectorwidth import pipeline as _vector_pipeline\n"
+# a parallel kernel, or one scheduled with a vector width, compiles through kiln's pipeline: it asks
+# LLVM for the width and has numba optimize and emit the parallel loops once (kiln/runtime/pipeline.py)
+PIPELINE_IMPORT = "from kiln.runtime.pipeline import kernel_pipeline as _kernel_pipeline\n"
 
 # 16-bit float words <-> f32, round to nearest even, as torch and IEEE 754 do; NaN stays NaN
 HALF_HELPERS = '''
@@ -135,7 +136,7 @@ def kernel_module(function_source: str, consts: dict) -> tuple[str, str]:
     const_lines = "\n".join(line for _, line in consts.values())
     helpers = (HALF_HELPERS if _HELPER_USE.search(function_source) else "") + \
         (EXP2_HELPER if "_exp2(" in function_source else "") + \
-        (VECTOR_IMPORT if "_vector_pipeline(" in function_source else "")
+        (PIPELINE_IMPORT if "_kernel_pipeline(" in function_source else "")
     return name_kernel(HEADER + helpers + "\n" + const_lines + "\n\n\n" + function_source)
 
 
@@ -152,8 +153,8 @@ class CpuKernel(ElementwiseKernel, RowKernel, ReduceKernel, GemmKernel, Attentio
         # vectorized sums do) and contraction fuses multiply-adds; no nnan/ninf, so NaN and inf
         # keep their meaning (the NaN tests, the masked rows' -inf)
         # the search's vector width, if it chose one (LLVM's preferred width otherwise)
-        width = f", pipeline_class=_vector_pipeline({self.k.vector})" if self.k.vector else ""
-        head = f"@njit(cache=True, parallel={par}, error_model='numpy', nogil=True, fastmath={FASTMATH}{width})\n"
+        pipeline = f", pipeline_class=_kernel_pipeline({self.k.vector})" if self.k.vector or self.k.parallel else ""
+        head = f"@njit(cache=True, parallel={par}, error_model='numpy', nogil=True, fastmath={FASTMATH}{pipeline})\n"
         return head + f"def {KERNEL_PLACEHOLDER}({self.signature()}):\n" + "\n".join(body) + "\n"
 
 
