@@ -98,8 +98,22 @@ def dim_symbols(dims) -> set[str]:
     return out
 
 
+_last_symbols: tuple = (None, [])  # (graph, its symbols): every kernel of a program asks for them
+
+
 def graph_symbols(g: Graph) -> list[str]:
-    """Every symbolic dim the graph uses, sorted: extra arguments of the entry and of each kernel."""
+    """Every symbolic dim the graph uses, sorted: extra arguments of the entry and of each kernel.
+    Kept for the last graph asked about: each of a program's kernels asks, and a scan per kernel
+    made emitting a program quadratic in its layers (a 16-layer Llama's 8 candidates: 63 s)."""
+    global _last_symbols
+    last, symbols = _last_symbols
+    if last is not g:
+        symbols = _scan_symbols(g)
+        _last_symbols = (g, symbols)
+    return list(symbols)
+
+
+def _scan_symbols(g: Graph) -> list[str]:
     found = set()
     for n in g.nodes:
         found |= dim_symbols(n.shape)
