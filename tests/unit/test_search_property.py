@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from kiln.ir import compose as C
@@ -98,14 +98,38 @@ EXAMPLES = int(os.environ.get("KILN_PROPERTY_EXAMPLES", "500"))
 step = st.tuples(st.sampled_from(STEPS), st.integers(0, 30), st.integers(0, 30), st.integers(0, 30))
 
 
+def _close(a, b) -> bool:
+    return np.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def _well_conditioned(g, inputs, before, rng) -> bool:
+    """Whether the original graph's outputs stay within the tolerance when each input element
+    moves by a few ulp. Where they do not (log2 of a sum of layer-normed values, which is zero
+    but for rounding: -22 from one order of the sum, NaN from another), a rewrite's
+    reassociation cannot be told from a wrong rewrite at this tolerance, and the example is
+    not used."""
+    for _ in range(3):
+        nudged = {k: v + v * rng.uniform(-4, 4, v.shape).astype(np.float32) * np.float32(2.0 ** -23)
+                  for k, v in inputs.items()}
+        if not all(_close(n0, b0) for b0, n0 in zip(before, evaluate(g, nudged, {}))):
+            return False
+    return True
+
+
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=st.lists(step, min_size=1, max_size=12), seed=st.integers(0, 2**16))
+# found by CI runs: log2 of a sum that is zero but for rounding (ill-conditioned, not used)
+@example(steps=[("layer_norm", 0, 0, 0), ("unary", 0, 0, 0), ("sum", 2, 0, 26), ("unary", 0, 0, 0),
+                ("unary", 0, 0, 0), ("unary", 18, 0, 1)], seed=0)
+@example(steps=[("layer_norm", 0, 0, 3), ("unary", 0, 0, 0), ("sum", 10, 0, 26), ("unary", 0, 0, 0),
+                ("unary", 0, 0, 0), ("unary", 18, 0, 11)] + [("unary", 0, 0, 0)] * 6, seed=192)
 def test_optimized_graph_matches_unoptimized(steps, seed):
     g = build(steps)
     opt, report = saturate(g, SearchLimits(max_iterations=12, max_enodes=20_000, time_budget_s=10.0))
     rng = np.random.default_rng(seed)
     inputs = {"x": rng.uniform(-3, 3, SHAPE).astype(np.float32), "y": rng.uniform(-3, 3, SHAPE).astype(np.float32)}
     before, after = evaluate(g, inputs, {}), evaluate(opt, inputs, {})
+    assume(_well_conditioned(g, inputs, before, rng))
     assert len(before) == len(after)
     for b0, a0 in zip(before, after):
         assert a0.shape == b0.shape and a0.dtype == b0.dtype
