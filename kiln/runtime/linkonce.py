@@ -6,7 +6,7 @@ thread pool) and links those into the kernel's library. Every library is finaliz
 its module, with everything linked into it, is optimized at O3 and emitted as machine code. The
 two wrappers' code never runs by itself (the kernel's library links it in again and calls it by
 symbol), so a kernel's loops were optimized and emitted three times, each time after inlining
-and unrolling: a max over 8x12x64 rows of 64 compiled in 11-12 s, 3.8-4.3 s when the wrappers are
+and unrolling: a max over 8x12x64 rows of 64 compiled in 10-12.5 s, 3.8-4.9 s when the wrappers are
 only linked, with the same machine code speed and bit-identical results.
 
 While a kiln kernel is lowered (`linking_once()`, entered by kiln.runtime.pipeline), those two
