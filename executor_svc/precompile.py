@@ -114,14 +114,14 @@ def precompile(kernels: dict[str, tuple[Callable, set]], workers: int = 0) -> in
     process nor in numba's disk cache, in worker processes; returns how many were compiled
     there. Nothing is done when there is too little work to be worth the workers."""
     workers = workers or compile_workers()
-    todo = [(k, sigs) for k, sigs in kernels.values()
+    todo = [(estimated_seconds(k), k, sigs) for k, sigs in kernels.values()
             if not all(tuple(s) in k.overloads for s in sigs) and not _cached(k)]
-    if workers < 2 or len(todo) < 2 or sum(estimated_seconds(k) for k, _ in todo) < MIN_WORK_S:
+    if workers < 2 or len(todo) < 2 or sum(est for est, _, _ in todo) < MIN_WORK_S:
         return 0
     # the longest first: a parallel kernel late in the queue would leave one worker finishing alone
-    todo.sort(key=lambda job: -estimated_seconds(job[0]))
+    todo.sort(key=lambda job: -job[0])
     jobs: queue.SimpleQueue = queue.SimpleQueue()
-    for k, sigs in todo:
+    for _, k, sigs in todo:
         module = k.py_func.__module__
         jobs.put(base64.b64encode(pickle.dumps((module, sys.modules[module].__file__, k.py_func.__name__,
                                                  sorted(sigs, key=str)))) + b"\n")

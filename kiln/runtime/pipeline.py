@@ -9,15 +9,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 from kiln.runtime.linkonce import linking_once
-from kiln.runtime.vectorwidth import WIDTHS, marking
+from kiln.runtime.vectorwidth import check_width, marking
 
 
 @lru_cache(maxsize=None)
 def kernel_pipeline(width: int = 0):
     """A numba pipeline class (njit's `pipeline_class`) whose lowering marks what it lowers with
     the vector width `width` (bits; 0: LLVM's own) and links parallel loops' wrappers once."""
-    if width and width not in WIDTHS:
-        raise ValueError(f"vector width must be one of {WIDTHS} bits, not {width}")
+    check_width(width)  # refused here, when the kernel's module is imported, not at its first call
     from numba.core.compiler import CompilerBase, DefaultPassBuilder
     from numba.core.compiler_machinery import register_pass
     from numba.core.typed_passes import NativeLowering, NativeParforLowering

@@ -80,12 +80,16 @@ def _install() -> None:
         _installed = True
 
 
+def check_width(width: int) -> None:
+    if width and width not in WIDTHS:
+        raise ValueError(f"vector width must be one of {WIDTHS} bits, not {width}")
+
+
 @contextlib.contextmanager
 def marking(width: int):
     """While it is open (a kernel's lowering, see kiln.runtime.pipeline), every function lowered is
     marked with the vector width `width` (bits; 0: none, LLVM's own choice)."""
-    if width and width not in WIDTHS:
-        raise ValueError(f"vector width must be one of {WIDTHS} bits, not {width}")
+    check_width(width)
     if width:
         _install()
     outer = getattr(_state, "width", 0)
