@@ -17,11 +17,14 @@ padded to two.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
 from kiln.core import errors
 from kiln.cas.digest import Digest
+from kiln.core.telemetry import span
+from kiln.exportkey import export_key
 
 MIN_PAST = 2  # torch.export's symbolic dims start at 2: shorter caches are left-padded (masked)
 
@@ -137,30 +140,45 @@ def _compile_causal_lm(model, pipeline, max_context: int, max_batch: int, search
         raise errors.InvalidArgument(f"max_context {max_context} is beyond the model's {limit} positions")
 
     live.stage("export")
-    with torch.no_grad():
-        ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
-        pos = torch.arange(8)[None]
-        seq = Dim("seq", min=1, max=max_context)
-        ep_prefill = _export(prefill, (ids, pos, torch.ones_like(ids)), ({1: seq},) * 3)
-        cache = tuple(t.expand(2, *t.shape[1:]).contiguous() for t in prefill(ids, pos, torch.ones_like(ids))[1:])
-        # (an example batch at the dim's maximum leaves export with a symbol per input: keep it below)
-        batch = Dim("batch", min=1, max=max(max_batch, 3))
-        # one `past` for every layer's keys and values, the mask one longer: kernels see that
-        # they agree (export proves 32 + 32·past <= 64 + 64·past only as a run-time assert)
-        past = Dim("past", min=MIN_PAST, max=max_context - 1)
-        ep_decode = _export(decode, (ids[:, :2].reshape(2, 1), torch.full((2, 1), 8), torch.ones(2, 8, dtype=torch.long),
-                                     cache),
-                            ({0: batch}, {0: batch}, {0: batch, 1: past}, tuple({0: batch, 2: past} for _ in cache)),
-                            deferred_asserts=True)
-    batch_dim = next(n for n in ep_decode.graph.nodes if n.op == "placeholder"
-                     and n.name.endswith("input_ids")).meta["val"].shape[0]
-    if not isinstance(batch_dim, torch.SymInt):
-        raise errors.FailedPrecondition(f"{type(model).__name__}: export fixed the decode program's batch at "
-                                        f"{batch_dim}; sequences could not share decode steps")
+    with span("kiln.export") as es:
+        # the same model, settings and code compiled before: its programs, without exporting
+        key = export_key(model, (), None, None, {"entry": "causal_lm", "max_context": max_context,
+                                                  "max_batch": max_batch, "min_past": MIN_PAST},
+                         code=(sys.modules[__name__],))
+        found = pipeline.exported(key, ("prefill", "decode"))
+        es.set_attribute("kiln.export_cache", "off" if key is None else "hit" if found else "miss")
+        if found:
+            programs = [found["prefill"], found["decode"]]
+        else:
+            with torch.no_grad():
+                ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
+                pos = torch.arange(8)[None]
+                seq = Dim("seq", min=1, max=max_context)
+                ep_prefill = _export(prefill, (ids, pos, torch.ones_like(ids)), ({1: seq},) * 3)
+                cache = tuple(t.expand(2, *t.shape[1:]).contiguous()
+                              for t in prefill(ids, pos, torch.ones_like(ids))[1:])
+                # (an example batch at the dim's maximum leaves export with a symbol per input: keep it below)
+                batch = Dim("batch", min=1, max=max(max_batch, 3))
+                # one `past` for every layer's keys and values, the mask one longer: kernels see that
+                # they agree (export proves 32 + 32·past <= 64 + 64·past only as a run-time assert)
+                past = Dim("past", min=MIN_PAST, max=max_context - 1)
+                ep_decode = _export(decode, (ids[:, :2].reshape(2, 1), torch.full((2, 1), 8),
+                                             torch.ones(2, 8, dtype=torch.long), cache),
+                                    ({0: batch}, {0: batch}, {0: batch, 1: past},
+                                     tuple({0: batch, 2: past} for _ in cache)),
+                                    deferred_asserts=True)
+            batch_dim = next(n for n in ep_decode.graph.nodes if n.op == "placeholder"
+                             and n.name.endswith("input_ids")).meta["val"].shape[0]
+            if not isinstance(batch_dim, torch.SymInt):
+                raise errors.FailedPrecondition(f"{type(model).__name__}: export fixed the decode program's batch "
+                                                f"at {batch_dim}; sequences could not share decode steps")
+    if not found:
+        programs = [pipeline.upload_program(ep) for ep in (ep_prefill, ep_decode)]
+        pipeline.record_exported(key, {"prefill": programs[0], "decode": programs[1]})
     results = []
-    for part, ep in (("prefill", ep_prefill), ("decode", ep_decode)):
+    for part, program in zip(("prefill", "decode"), programs):
         live.section(part)
-        results.append(pipeline.compile_program(pipeline.upload_program(ep), search=search, candidates=candidates))
+        results.append(pipeline.compile_program(program, search=search, candidates=candidates))
     eos = cfg.eos_token_id if getattr(cfg, "eos_token_id", None) is not None else []
     lm = services_pb2.CausalLM(prefill_bundle=results[0].bundle.to_pb(), prefill_manifest=results[0].manifest.to_pb(),
                                decode_bundle=results[1].bundle.to_pb(), decode_manifest=results[1].manifest.to_pb(),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -24,6 +25,7 @@ from codegen_svc.targets import target as target_named
 from kiln.core.limits import contended_share, quieter_now
 from kiln.cas.store import BlobStore, open_store
 from kiln.core.telemetry import child_span, current_span, setup_tracing, span
+from kiln.exportkey import EXPORT_KEY_VERSION, export_key
 from kiln.ir.dtypes import numpy_to_torch, torch_to_numpy
 from kiln.stages import STAGES, LocalStages, RemoteStages, Stages, Timing
 from executor_svc.generate import Sampling
@@ -236,6 +238,20 @@ class Pipeline:
         cache.record(self.store, key, {"kernel_graph": kgs[best], "report": self.store.put_message(out)})
         return kgs[best], out
 
+    def exported(self, key: Optional[str], names: Sequence[str]) -> Optional[dict[str, Digest]]:
+        """The exported programs (and what else was recorded with them) under a key of
+        kiln.exportkey, or None: no key, nothing recorded, or not every name."""
+        if key is None:
+            return None
+        found = cache.lookup(self.store, cache.action_key("export", EXPORT_KEY_VERSION, {}, {"key": key}))
+        return found if found is not None and all(n in found for n in names) else None
+
+    def record_exported(self, key: Optional[str], outputs: Mapping[str, object]) -> None:
+        """Records programs (digests) and text (stored as blobs) under an export key."""
+        if key is not None:
+            digests = {n: v if isinstance(v, Digest) else self.store.put(str(v).encode()) for n, v in outputs.items()}
+            cache.record(self.store, cache.action_key("export", EXPORT_KEY_VERSION, {}, {"key": key}), digests)
+
     def upload_program(self, ep) -> Digest:
         import torch
 
@@ -299,21 +315,37 @@ def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, 
     default $KILN_CANDIDATES or 8). `progress` shows the compile's progress on stderr after 2 s
     (None: when stderr is a terminal; kiln.core.progress)."""
     import torch
+    from torch.utils import _pytree as pytree
 
     pipeline = pipeline or Pipeline()
     # one trace per compile: export, the four stages and the executor's Load
     with live.progress(f"kiln.compile {type(module).__name__}", progress), \
             span("kiln.compile", **{"kiln.remote": pipeline.remote}):
         live.stage("export")
-        with span("kiln.export"):
-            try:
-                ep = torch.export.export(module.eval() if hasattr(module, "eval") else module,
-                                         tuple(example_args), example_kwargs or {}, dynamic_shapes=dynamic_shapes)
-            except Exception as e:
-                raise errors.FailedPrecondition(f"torch.export failed: {type(e).__name__}: {e}") from e
-        program = pipeline.upload_program(ep)
+        module = module.eval() if hasattr(module, "eval") else module
+        with span("kiln.export") as es:
+            key = export_key(module, tuple(example_args), example_kwargs, dynamic_shapes, {"entry": "compile"},
+                             code=(sys.modules[__name__],))
+            found = pipeline.exported(key, ("program", "in_spec"))
+            es.set_attribute("kiln.export_cache", "off" if key is None else "hit" if found else "miss")
+            if found:
+                program = found["program"]
+                in_spec = pytree.treespec_loads(pipeline.store.get(found["in_spec"]).decode())
+            else:
+                try:
+                    ep = torch.export.export(module, tuple(example_args), example_kwargs or {},
+                                             dynamic_shapes=dynamic_shapes)
+                except Exception as e:
+                    raise errors.FailedPrecondition(f"torch.export failed: {type(e).__name__}: {e}") from e
+                in_spec = ep.call_spec.in_spec
+        if not found:
+            program = pipeline.upload_program(ep)
+            try:  # a structure torch cannot write as text is exported again next time
+                pipeline.record_exported(key, {"program": program, "in_spec": pytree.treespec_dumps(in_spec)})
+            except (TypeError, NotImplementedError, AttributeError) as e:
+                log.info("export not recorded: its input structure cannot be written (%s)", e)
         result = pipeline.compile_program(program, search=search, target=target, candidates=candidates)
         current_span().set_attribute("kiln.bundle", str(result.bundle))
         live.stage("load")
         session = pipeline.load(result.bundle, result.manifest)
-    return CompiledModule(pipeline, result, session, ep.call_spec.in_spec)
+    return CompiledModule(pipeline, result, session, in_spec)
