@@ -45,6 +45,9 @@ HASH_THREADS = 4  # hashlib releases the GIL on large buffers
 # kiln's packages: keyed by the source of the kiln package (its export wrappers and callers), not
 # walked, since what a walk reaches depends on which of its modules this process has imported yet
 PROJECT = ("kiln", "importer_svc", "optimizer_svc", "codegen_svc", "executor_svc")
+# attributes that differ from process to process and that no forward reads: transformers'
+# GenerationConfig keeps hash(self) (salted per process for its strings) to see later edits
+PER_PROCESS = frozenset({"_original_object_hash"})
 
 
 class Unkeyable(Exception):
@@ -120,7 +123,8 @@ class _Walk:
             items = [self.describe(x, depth + 1) for x in v]
             return f"{type(v).__name__}[{', '.join(sorted(items) if isinstance(v, (set, frozenset)) else items)}]"
         if isinstance(v, dict):
-            items = sorted(f"{self.describe(k, depth + 1)}: {self.describe(x, depth + 1)}" for k, x in v.items())
+            items = sorted(f"{self.describe(k, depth + 1)}: {self.describe(x, depth + 1)}" for k, x in v.items()
+                           if k not in PER_PROCESS)
             return f"{type(v).__name__}{{{', '.join(items)}}}"
         if isinstance(v, torch.nn.Module):  # a submodule held as a plain attribute: described in the tree
             return f"module {_qualname(type(v))}"

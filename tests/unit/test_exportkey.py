@@ -129,3 +129,22 @@ def test_tied_weights_are_hashed_once():
         for _, t in mod.named_parameters(recurse=False):
             w.describe(t, 0)
     assert len(w.tensors) == 1
+
+
+def test_a_new_process_computes_the_same_key_for_the_same_model():
+    """What a warm compile relies on: a model built the same way in another process (string hashes
+    salted differently) has the same key, a transformers causal LM's generation config included."""
+    import os
+    import subprocess
+
+    code = ("import torch, kiln.llm\n"
+            "from transformers import LlamaConfig, LlamaForCausalLM\n"
+            "from kiln.exportkey import export_key\n"
+            "torch.manual_seed(0)\n"
+            "m = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,\n"
+            "    num_key_value_heads=2, intermediate_size=64, vocab_size=128)).eval()\n"
+            "print(export_key(m, (), None, None, {'entry': 'test'}, code=(kiln.llm,)))\n")
+    keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip().splitlines()[-1]
+            for seed in ("1", "2")}
+    assert len(keys) == 1 and "None" not in keys, keys
