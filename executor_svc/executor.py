@@ -516,7 +516,8 @@ class Executor:
         others_busy). Runs are interleaved round-robin, so every candidate sees the same machine
         state, and each timed run comes right after one of the same candidate, so it starts from
         its own cache state. A candidate that has clearly lost stops being timed (still_timed):
-        its figures are over the rounds it was timed in.
+        its figures are over the rounds it was timed in. Timing stops after `repeats` rounds, or
+        earlier once it has run for profile_budget() seconds and MIN_ROUNDS rounds.
 
         Every run calls the candidate's compiled kernels from its entry's Python function
         (host_only): a losing candidate never waits for a compiled entry (HOST_RUNS; 5-6 s each
@@ -528,6 +529,7 @@ class Executor:
             raise InvalidArgument("Profile needs at least one bundle")
         if not 1 <= repeats <= 10_000:
             raise InvalidArgument(f"repeats must be in 1..10000, got {repeats}")
+        profile_budget()  # a bad setting is refused before anything is loaded
         # private sessions: timing candidates never evicts a client's session
         sessions = [self.open(b, manifest, host_only=True) for b in bundles]
         first = sessions[0]
@@ -542,7 +544,7 @@ class Executor:
             if s.inputs != first.inputs:
                 raise InvalidArgument("Profile candidates must share one input signature")
         times: list[list[float]] = [[] for _ in sessions]
-        with span("executor.profile", **{"kiln.candidates": len(sessions), "kiln.repeats": repeats}):
+        with span("executor.profile", **{"kiln.candidates": len(sessions), "kiln.repeats": repeats}) as ps:
             if first.device is None:  # the candidates' new kernels, compiled at once in worker processes
                 self._precompile(sessions, inputs)
             # one span per timed candidate; they overlap because the candidates are timed interleaved
@@ -556,11 +558,14 @@ class Executor:
                 load = CpuLoad()
                 paired = True
                 timing = list(range(len(sessions)))
-                every = max(DROP_AFTER_ROUNDS, repeats // 4)
+                budget, began, rounds = profile_budget(), time.monotonic(), 0
                 for r in range(repeats):
+                    if r >= MIN_ROUNDS and time.monotonic() - began > budget:
+                        break  # every candidate has been ranked; the survivors have had their share
                     live.count("candidates timed, round", r + 1, repeats)
-                    if r and r % every == 0:
+                    if r and r % DROP_AFTER_ROUNDS == 0:
                         timing = still_timed(times, timing)
+                    rounds = r + 1
                     for i in timing:
                         s = sessions[i]
                         # each timed run follows an untimed one of its own: a candidate is timed in
@@ -577,6 +582,8 @@ class Executor:
                         paired = min(t[0] for t in times) < PAIR_BELOW_S
                 others = load.others_busy()
             relative = paired_ratios(times)
+            ps.set_attribute("kiln.rounds", rounds)  # fewer than repeats: stopped by profile_budget()
+            ps.set_attribute("kiln.over_budget", rounds < repeats)
             for cs, t, rel in zip(candidate_spans, times, relative):
                 cs.set_attribute("kiln.median_ms", statistics.median(t) * 1e3)
                 cs.set_attribute("kiln.min_ms", min(t) * 1e3)
@@ -637,12 +644,31 @@ def paired_ratios(times: Sequence[Sequence[float]]) -> list[float]:
     return [statistics.median(t[j] / fastest[j] for j in range(len(t))) for t in times]
 
 
-# Profile stops timing a candidate once it has clearly lost: every max(DROP_AFTER_ROUNDS,
-# repeats // 4) rounds the slower half of the candidates still timed stop (down to two), except
-# those within TIE of the best. 8 candidates over 20 rounds take 80 timed runs instead of 160; a
-# real model's 8 ran 105-127 ms each here, 35 s of timing at every round.
+# Profile stops timing a candidate once it has clearly lost: every DROP_AFTER_ROUNDS rounds the
+# slower half of the candidates still timed stop (down to two), except those within TIE of the
+# best. 8 candidates over 20 rounds take 64 timed runs instead of 160; a real model's 8 ran
+# 105-127 ms each here, 35 s of timing at every round.
 DROP_AFTER_ROUNDS = 3
 TIE = 0.01
+# And it stops once it has timed for profile_budget() seconds, after MIN_ROUNDS rounds at least
+# (two halvings: 8 candidates ranked, the best 4 timed again): a causal LM's prefill at its
+# longest context ran 0.3 s and more per run, 8 candidates over 20 rounds 20-70 s per program,
+# growing with layers.
+MIN_ROUNDS = 2 * DROP_AFTER_ROUNDS
+PROFILE_BUDGET_S = 10.0
+
+
+def profile_budget() -> float:
+    """KILN_PROFILE_BUDGET_S: seconds Profile times candidates for, past its first MIN_ROUNDS
+    rounds (default PROFILE_BUDGET_S)."""
+    v = os.environ.get("KILN_PROFILE_BUDGET_S", "")
+    try:
+        budget = float(v) if v else PROFILE_BUDGET_S
+    except ValueError:
+        budget = -1.0
+    if not budget > 0:
+        raise InvalidArgument(f"KILN_PROFILE_BUDGET_S must be a positive number of seconds, got {v!r}")
+    return budget
 
 # A candidate's run is timed right after an untimed run of its own (Profile) unless, in the first
 # round, every candidate's run took this long: a run of 50 ms streams far more than the caches

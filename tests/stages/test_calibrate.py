@@ -324,3 +324,30 @@ def test_candidates_that_clearly_lost_stop_being_timed():
     # round j's fastest is over the candidates timed in round j
     rel = paired_ratios([[100.0, 100.0, 90.0], [110.0, 120.0, 90.0], [105.0]])
     assert rel == pytest.approx([1.0, 1.1, 1.05])
+
+
+def test_timing_stops_at_its_budget_once_every_candidate_is_ranked(local_pipeline, monkeypatch, span_exporter):
+    """Past MIN_ROUNDS rounds, Profile stops once it has timed for KILN_PROFILE_BUDGET_S seconds;
+    the span says how many rounds it timed and that the budget stopped it. A bad budget is
+    refused."""
+    from executor_svc.executor import MIN_ROUNDS
+    from kiln.core.errors import InvalidArgument
+
+    model, inputs = mlp_example()
+    searched = kiln.compile(model, inputs, pipeline=local_pipeline).result
+    unsearched = kiln.compile(model, inputs, pipeline=local_pipeline, search=False).result
+    bundles = [searched.bundle, unsearched.bundle]
+    monkeypatch.setenv("KILN_PROFILE_BUDGET_S", "1e-9")
+    span_exporter.clear()
+    timings = local_pipeline.profile(bundles, searched.manifest, repeats=20)
+    (ps,) = [s for s in span_exporter.get_finished_spans() if s.name == "executor.profile"]
+    assert ps.attributes["kiln.rounds"] == MIN_ROUNDS and ps.attributes["kiln.over_budget"] is True
+    assert all(t[1] > 0 for t in timings)
+    monkeypatch.setenv("KILN_PROFILE_BUDGET_S", "60")
+    span_exporter.clear()
+    local_pipeline.profile(bundles, searched.manifest, repeats=8)
+    (ps,) = [s for s in span_exporter.get_finished_spans() if s.name == "executor.profile"]
+    assert ps.attributes["kiln.rounds"] == 8 and ps.attributes["kiln.over_budget"] is False
+    monkeypatch.setenv("KILN_PROFILE_BUDGET_S", "soon")
+    with pytest.raises(InvalidArgument, match="KILN_PROFILE_BUDGET_S"):
+        local_pipeline.profile(bundles, searched.manifest)
