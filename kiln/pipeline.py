@@ -257,7 +257,8 @@ class Pipeline:
 
         buf = io.BytesIO()
         torch.export.save(ep, buf)
-        return self.store.put(buf.getvalue())
+        with buf.getbuffer() as archive:  # the archive holds every weight: not copied again
+            return self.store.put(archive)
 
 
 class CompiledModule:
