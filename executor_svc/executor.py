@@ -651,10 +651,10 @@ def paired_ratios(times: Sequence[Sequence[float]]) -> list[float]:
 DROP_AFTER_ROUNDS = 3
 TIE = 0.01
 # And it stops once it has timed for profile_budget() seconds, after MIN_ROUNDS rounds at least
-# (two halvings: 8 candidates ranked, the best 4 timed again): a causal LM's prefill at its
-# longest context ran 0.3 s and more per run, 8 candidates over 20 rounds 20-70 s per program,
-# growing with layers.
-MIN_ROUNDS = 2 * DROP_AFTER_ROUNDS
+# (every candidate timed in as many rounds as a halving takes): a causal LM's prefill at its
+# longest context ran 0.3 s and more per run (a Qwen2-0.5B shape's about 2 s), 8 candidates over
+# 20 rounds 20-70 s per program, growing with layers.
+MIN_ROUNDS = DROP_AFTER_ROUNDS
 PROFILE_BUDGET_S = 10.0
 
 
