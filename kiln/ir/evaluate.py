@@ -19,6 +19,30 @@ from kiln.ir.view import ViewSpec
 def apply_view(src: np.ndarray, spec: ViewSpec, env: Mapping[str, int]) -> np.ndarray:
     shape = tuple(evaluate_dim(d, env) for d in spec.shape)
     flat = np.ascontiguousarray(src).reshape(-1)
+    if all(n > 0 for n in shape):
+        # the unmasked elements are a box of the view (a mask is a range per axis), and the box a
+        # strided view of the buffer: copied as _gathered computes it, without an index per
+        # element (a BERT-base's weights transposed and concatenated at Load: 1.5 s gathered)
+        box = [(0, n) for n in shape] if spec.mask is None else \
+            [(max(0, evaluate_dim(lo, env)), min(n, evaluate_dim(hi, env))) for n, (lo, hi) in zip(shape, spec.mask)]
+        if any(a >= b for a, b in box):
+            return np.zeros(shape, dtype=flat.dtype)
+        strides = [evaluate_dim(st, env) for st in spec.strides]
+        first = evaluate_dim(spec.offset, env) + sum(a * st for (a, _), st in zip(box, strides))
+        last = first + sum((b - a - 1) * st for (a, b), st in zip(box, strides))
+        if first >= 0 and all(st >= 0 for st in strides) and last < flat.size:
+            part = np.lib.stride_tricks.as_strided(flat[first:], [b - a for a, b in box],
+                                                   [st * flat.itemsize for st in strides], writeable=False)
+            if spec.mask is None:
+                return part.copy(order="C")
+            out = np.zeros(shape, dtype=flat.dtype)
+            out[tuple(slice(a, b) for a, b in box)] = part
+            return out
+    return _gathered(flat, shape, spec, env)
+
+
+def _gathered(flat: np.ndarray, shape: tuple, spec: ViewSpec, env: Mapping[str, int]) -> np.ndarray:
+    """The view element by element: each one's flat index, masked elements zero."""
     idx = np.full(shape, evaluate_dim(spec.offset, env), dtype=np.int64)
     valid = np.ones(shape, dtype=bool)
     for k, (n, st) in enumerate(zip(shape, spec.strides)):
@@ -29,8 +53,8 @@ def apply_view(src: np.ndarray, spec: ViewSpec, env: Mapping[str, int]) -> np.nd
             valid = valid & (ar >= lo) & (ar < hi)
     safe = np.where(valid, idx, 0)
     if flat.size == 0:
-        return np.zeros(shape, dtype=src.dtype)
-    return np.where(valid, flat[safe], np.zeros((), dtype=src.dtype)).astype(src.dtype)
+        return np.zeros(shape, dtype=flat.dtype)
+    return np.where(valid, flat[safe], np.zeros((), dtype=flat.dtype)).astype(flat.dtype)
 
 
 def evaluate(g: Graph, inputs: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray],

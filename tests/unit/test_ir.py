@@ -94,6 +94,36 @@ def test_view_composition_matches_chained_views(seed):
     np.testing.assert_array_equal(got, expected)
 
 
+def _strided_as_gathered(seed) -> int:
+    """Checks each view of the seed's chain; returns how many were masked."""
+    from kiln.ir.evaluate import _gathered
+
+    x, chain = _seeded_chain(seed)
+    masked = 0
+    for v in chain:
+        shape = tuple(int(d) for d in v.shape)
+        want = _gathered(np.ascontiguousarray(x).reshape(-1), shape, v, {})
+        got = apply_view(x, v, {})
+        assert got.dtype == want.dtype and got.flags.c_contiguous
+        np.testing.assert_array_equal(got, want)
+        masked += v.mask is not None
+        x = got
+    return masked
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_view_is_copied_strided_as_gathered(seed):
+    """apply_view copies a view through its strides, a masked one's unmasked box into zeros
+    (prepare at Load transposes and concatenates weights); it gives what the element-by-element
+    gather gives."""
+    _strided_as_gathered(seed)
+
+
+def test_the_view_chains_above_hold_masked_and_unmasked_views():
+    masked = [_strided_as_gathered(seed) for seed in range(40)]
+    assert sum(m > 0 for m in masked) >= 5 and sum(m == 0 for m in masked) >= 5, masked
+
+
 def test_random_view_chains_do_compose():
     """The seeds above exercise compose(): most of their adjacent views compose (a compose that
     refused everything would pass the comparison vacuously)."""
