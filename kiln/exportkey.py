@@ -69,7 +69,7 @@ def export_key(module, example_args: tuple, example_kwargs: Optional[dict], dyna
     from torch.utils import _pytree as pytree
 
     try:
-        walk = _Walk()
+        walk = _Walk(module.modules())
         h = hashlib.sha256()
         add = lambda *parts: [h.update(str(p).encode() + b"\0") for p in parts]  # noqa: E731
         add(EXPORT_KEY_VERSION, sys.version, torch.__version__, torch.is_grad_enabled(), torch.get_default_dtype())
@@ -104,7 +104,8 @@ def _qualname(obj) -> str:
 class _Walk:
     """Describes attribute values as text; tensors by position, their bytes hashed at the end."""
 
-    def __init__(self):
+    def __init__(self, tree=()):
+        self.tree = {id(m) for m in tree}  # the modules whose own walk describes them
         self.tensors: list = []
         self.by_storage: dict = {}
 
@@ -126,15 +127,22 @@ class _Walk:
             items = sorted(f"{self.describe(k, depth + 1)}: {self.describe(x, depth + 1)}" for k, x in v.items()
                            if k not in PER_PROCESS)
             return f"{type(v).__name__}{{{', '.join(items)}}}"
-        if isinstance(v, torch.nn.Module):  # a submodule held as a plain attribute: described in the tree
+        if isinstance(v, torch.nn.Module):  # one of the tree's, described there; any other is not
+            if id(v) not in self.tree:
+                raise Unkeyable(f"a {_qualname(type(v))} held outside the module tree")
             return f"module {_qualname(type(v))}"
-        if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type,
-                          types.ModuleType, functools.partial)):
-            if isinstance(v, functools.partial):
-                return f"partial({self.describe(v.func, depth + 1)}, {self.describe(v.args, depth + 1)}, " \
-                       f"{self.describe(v.keywords, depth + 1)})"
-            if isinstance(v, types.MethodType):
-                return f"method {_qualname(v.__func__)} of {_qualname(type(v.__self__))}"
+        if isinstance(v, functools.partial):
+            return f"partial({self.describe(v.func, depth + 1)}, {self.describe(v.args, depth + 1)}, " \
+                   f"{self.describe(v.keywords, depth + 1)})"
+        if isinstance(v, types.MethodType):  # and the object it is bound to
+            return f"method {_qualname(v.__func__)} of {self.describe(v.__self__, depth + 1)}"
+        if isinstance(v, types.FunctionType):  # its code is keyed by file; what it captured, here
+            try:
+                cells = [c.cell_contents for c in v.__closure__ or () if c.cell_contents is not v]
+            except ValueError as e:  # a cell not yet filled
+                raise Unkeyable(f"function {_qualname(v)} captured an empty cell") from e
+            return f"{_qualname(v)}({self.describe(cells, depth + 1)}, {self.describe(v.__defaults__, depth + 1)})"
+        if isinstance(v, (types.BuiltinFunctionType, type, types.ModuleType)):
             return _qualname(v) if not isinstance(v, types.ModuleType) else f"module {v.__name__}"
         if hasattr(v, "__dict__"):  # a config, an activation object: its class and its attributes
             return f"{_qualname(type(v))}{self.describe(dict(vars(v)), depth + 1)}"

@@ -341,10 +341,13 @@ def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, 
                 in_spec = ep.call_spec.in_spec
         if not found:
             program = pipeline.upload_program(ep)
-            try:  # a structure torch cannot write as text is exported again next time
-                pipeline.record_exported(key, {"program": program, "in_spec": pytree.treespec_dumps(in_spec)})
-            except (TypeError, NotImplementedError, AttributeError) as e:
-                log.info("export not recorded: its input structure cannot be written (%s)", e)
+            if key is not None and in_spec is not None:
+                try:  # a structure torch cannot write as text is exported again next time
+                    spec_text = pytree.treespec_dumps(in_spec)
+                except (TypeError, ValueError, NotImplementedError, AttributeError) as e:
+                    log.info("export not recorded: its input structure cannot be written (%s)", e)
+                else:
+                    pipeline.record_exported(key, {"program": program, "in_spec": spec_text})
         result = pipeline.compile_program(program, search=search, target=target, candidates=candidates)
         current_span().set_attribute("kiln.bundle", str(result.bundle))
         live.stage("load")

@@ -148,3 +148,19 @@ def test_a_new_process_computes_the_same_key_for_the_same_model():
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip().splitlines()[-1]
             for seed in ("1", "2")}
     assert len(keys) == 1 and "None" not in keys, keys
+
+
+def test_captured_values_and_modules_outside_the_tree():
+    """A function attribute is keyed with what its closure captured; a module held only as a plain
+    attribute (its weights outside the walk) makes the model unkeyable."""
+    m, x = _Net(), torch.randn(3, 8)
+
+    def scaled(s):
+        return lambda t: t * s
+
+    m.act = scaled(2.0)
+    two = _key(m, x)
+    m.act = scaled(3.0)
+    assert None not in (two, _key(m, x)) and _key(m, x) != two
+    object.__setattr__(m, "shadow", torch.nn.Linear(2, 2))  # not registered: not in modules()
+    assert _key(m, x) is None
