@@ -256,6 +256,7 @@ def import_program(store: BlobStore, program: Digest, deadline: Optional[float] 
         with _torch_export_lock:
             with span("importer.load", **{"kiln.program": str(program)}):
                 ep = load_program(data)
+                del data  # the archive (every weight once more) is not held while the program is lowered
             with span("importer.lower"):
                 graph, tensors = lower_program(ep)
         with span("importer.upload_weights", **{"kiln.weights": len(tensors)}):
