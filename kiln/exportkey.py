@@ -13,8 +13,9 @@ The key covers everything the export reads:
   distribution (site-packages) by that distribution's version, kiln's own by the source of the
   kiln package, and the standard library by the Python version (a package edited in place in
   site-packages is not noticed);
-- the state: per submodule its class, its attributes (configs included, walked as plain data)
-  and its parameters, buffers and tensor attributes by their bytes (sha256, hashed in threads:
+- the state: per submodule its class, its attributes (configs included, walked as plain data;
+  a function by its bytecode, constants and what its closure captured) and its parameters,
+  buffers and tensor attributes by their bytes (sha256, hashed in threads:
   about 3 GB/s on two cores);
 - the call: the example inputs' structure, dtypes and shapes (export reads no values), the
   dynamic shapes, the caller's own options, torch's and Python's versions and the grad mode.
@@ -92,6 +93,14 @@ def export_key(module, example_args: tuple, example_kwargs: Optional[dict], dyna
         return None
 
 
+def _code_text(code: types.CodeType) -> str:
+    """A function's code as text: two lambdas of one function share a qualified name and a file,
+    not their bytecode and constants (set constants sorted: their order follows string hashes)."""
+    consts = [_code_text(c) if isinstance(c, types.CodeType) else
+              repr(sorted(c, key=repr)) if isinstance(c, frozenset) else repr(c) for c in code.co_consts]
+    return f"{code.co_filename}:{code.co_firstlineno} {code.co_code.hex()} {consts} {code.co_names}"
+
+
 def _attributes(m) -> dict:
     skip = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
     return {k: v for k, v in vars(m).items() if k not in skip}
@@ -135,13 +144,14 @@ class _Walk:
             return f"partial({self.describe(v.func, depth + 1)}, {self.describe(v.args, depth + 1)}, " \
                    f"{self.describe(v.keywords, depth + 1)})"
         if isinstance(v, types.MethodType):  # and the object it is bound to
-            return f"method {_qualname(v.__func__)} of {self.describe(v.__self__, depth + 1)}"
+            return f"method {self.describe(v.__func__, depth + 1)} of {self.describe(v.__self__, depth + 1)}"
         if isinstance(v, types.FunctionType):  # its code is keyed by file; what it captured, here
             try:
                 cells = [c.cell_contents for c in v.__closure__ or () if c.cell_contents is not v]
             except ValueError as e:  # a cell not yet filled
                 raise Unkeyable(f"function {_qualname(v)} captured an empty cell") from e
-            return f"{_qualname(v)}({self.describe(cells, depth + 1)}, {self.describe(v.__defaults__, depth + 1)})"
+            return (f"{_qualname(v)} {_code_text(v.__code__)}({self.describe(cells, depth + 1)}, "
+                    f"{self.describe(v.__defaults__, depth + 1)}, {self.describe(v.__kwdefaults__, depth + 1)})")
         if isinstance(v, (types.BuiltinFunctionType, type, types.ModuleType)):
             return _qualname(v) if not isinstance(v, types.ModuleType) else f"module {v.__name__}"
         if hasattr(v, "__dict__"):  # a config, an activation object: its class and its attributes
