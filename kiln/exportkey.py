@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import logging
 import os
 import sys
 import sysconfig
@@ -39,6 +40,8 @@ import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Mapping, Optional
+
+log = logging.getLogger(__name__)
 
 EXPORT_KEY_VERSION = "1"
 MAX_DEPTH = 8  # attribute nesting walked before a module is called unkeyable
@@ -90,6 +93,9 @@ def export_key(module, example_args: tuple, example_kwargs: Optional[dict], dyna
         add(*walk.tensor_digests())
         return h.hexdigest()
     except (Unkeyable, RecursionError):
+        return None
+    except Exception as e:  # noqa: BLE001 - a key is only a shortcut: anything unforeseen exports as always
+        log.info("not keyed for the export cache: %s: %s", type(e).__name__, e)
         return None
 
 
