@@ -34,7 +34,7 @@ from kiln.ir.serialize import dim_from_pb, dtype_from_pb, graph_from_pb, tensor_
 from kiln.ir.kernel import kernel_named_by_content
 from kiln.ir.shape import Dim, Sym, evaluate_dim, format_shape, numel
 from kiln.core import progress as live
-from kiln.core.limits import CpuLoad, memory_limit
+from kiln.core.limits import CpuLoad, memory_limit, positive_setting
 from kiln.core.localcache import evict_kernels, kernel_cache_cap, kernel_cache_dir
 from kiln.cas.store import BlobStore
 from kiln.core.telemetry import child_span, span, start_span, untraced
@@ -661,14 +661,7 @@ PROFILE_BUDGET_S = 10.0
 def profile_budget() -> float:
     """KILN_PROFILE_BUDGET_S: seconds Profile times candidates for, past its first MIN_ROUNDS
     rounds (default PROFILE_BUDGET_S)."""
-    v = os.environ.get("KILN_PROFILE_BUDGET_S", "")
-    try:
-        budget = float(v) if v else PROFILE_BUDGET_S
-    except ValueError:
-        budget = -1.0
-    if not budget > 0:
-        raise InvalidArgument(f"KILN_PROFILE_BUDGET_S must be a positive number of seconds, got {v!r}")
-    return budget
+    return positive_setting("KILN_PROFILE_BUDGET_S", PROFILE_BUDGET_S, "seconds")
 
 # A candidate's run is timed right after an untimed run of its own (Profile) unless, in the first
 # round, every candidate's run took this long: a run of 50 ms streams far more than the caches

@@ -243,14 +243,14 @@ class Pipeline:
         kiln.exportkey, or None: no key, nothing recorded, or not every name."""
         if key is None:
             return None
-        found = cache.lookup(self.store, cache.action_key("export", EXPORT_KEY_VERSION, {}, {"key": key}))
+        found = cache.lookup(self.store, _export_action(key))
         return found if found is not None and all(n in found for n in names) else None
 
     def record_exported(self, key: Optional[str], outputs: Mapping[str, object]) -> None:
         """Records programs (digests) and text (stored as blobs) under an export key."""
         if key is not None:
             digests = {n: v if isinstance(v, Digest) else self.store.put(str(v).encode()) for n, v in outputs.items()}
-            cache.record(self.store, cache.action_key("export", EXPORT_KEY_VERSION, {}, {"key": key}), digests)
+            cache.record(self.store, _export_action(key), digests)
 
     def upload_program(self, ep) -> Digest:
         import torch
@@ -259,6 +259,11 @@ class Pipeline:
         torch.export.save(ep, buf)
         with buf.getbuffer() as archive:  # the archive holds every weight: not copied again
             return self.store.put(archive)
+
+
+def _export_action(key: str) -> cache.ActionKey:
+    """The action cache's key for the programs exported under an export key (kiln.exportkey)."""
+    return cache.action_key("export", EXPORT_KEY_VERSION, {}, {"key": key})
 
 
 class CompiledModule:

@@ -34,6 +34,20 @@ def contended_share() -> float:
     return share
 
 
+def positive_setting(variable: str, default: float, unit: str) -> float:
+    """A positive number from the environment (`unit` names it in the error), else `default`."""
+    v = os.environ.get(variable, "")
+    try:
+        value = float(v) if v else default
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        from kiln.core.errors import InvalidArgument
+
+        raise InvalidArgument(f"{variable} must be a positive number of {unit}, got {v!r}")
+    return value
+
+
 def machine_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 

@@ -17,6 +17,8 @@ import fcntl
 import os
 from pathlib import Path
 
+from kiln.core.limits import positive_setting
+
 KERNEL_CACHE_MB = 4096
 TRACE_MAX_MB = 256
 
@@ -40,16 +42,7 @@ def trace_file() -> Path:
 
 
 def _megabytes(variable: str, default: float) -> int:
-    v = os.environ.get(variable, "")
-    try:
-        mb = float(v) if v else default
-    except ValueError:
-        mb = -1.0
-    if not mb > 0:
-        from kiln.core.errors import InvalidArgument
-
-        raise InvalidArgument(f"{variable} must be a positive number of MiB, got {v!r}")
-    return int(mb * (1 << 20))
+    return int(positive_setting(variable, default, "MiB") * (1 << 20))
 
 
 def kernel_cache_cap() -> int:

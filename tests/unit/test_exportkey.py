@@ -11,6 +11,7 @@ import torch
 
 import kiln
 import kiln.pipeline as kiln_pipeline
+from helpers import Fn
 from kiln.exportkey import export_key
 from kiln.pipeline import Pipeline
 
@@ -166,21 +167,12 @@ def test_captured_values_and_modules_outside_the_tree():
     assert _key(m, x) is None
 
 
-class _Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
-
-
 def test_two_lambdas_of_one_function_have_two_keys():
     """Lambdas defined in one function share a qualified name and a source file: the key tells
     them apart by their code (a compile of the second found the first's program in CI)."""
     x = torch.randn(4, 8)
     fns = [lambda t: torch.sigmoid(t) * 3.0, lambda t: (torch.sigmoid(t) * 3.0, t.sum(-1)),
            lambda t: torch.sigmoid(t) * 4.0]
-    keys = [_key(_Fn(f), x) for f in fns]
+    keys = [_key(Fn(f), x) for f in fns]
     assert None not in keys and len(set(keys)) == 3, keys
-    assert _key(_Fn(fns[0]), x) == keys[0]
+    assert _key(Fn(fns[0]), x) == keys[0]
