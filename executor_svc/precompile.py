@@ -126,7 +126,7 @@ def precompile(kernels: dict[str, tuple[Callable, set]], workers: int = 0) -> in
         jobs.put(base64.b64encode(pickle.dumps((module, sys.modules[module].__file__, k.py_func.__name__,
                                                  sorted(sigs, key=str)))) + b"\n")
     done, failed, peak_rss = [], [], [0]
-    seconds: list[float] = []  # each job's compile time in its worker
+    seconds: list[tuple[float, str]] = []  # each job's compile time in its worker, and its kernel
     t0 = time.monotonic()
     live.count("kernels compiled", 0, len(todo))
     threads = [threading.Thread(target=_feed, args=(jobs, done, failed, len(todo), peak_rss, seconds), daemon=True)
@@ -141,8 +141,10 @@ def precompile(kernels: dict[str, tuple[Callable, set]], workers: int = 0) -> in
              time.monotonic() - t0)
     current_span().set_attribute("kiln.worker_peak_rss_mb", peak_rss[0] / 2**20)
     # the workers' compile time in all, and the longest kernel's (the least the wall time can be)
-    current_span().set_attribute("kiln.worker_compile_s", sum(seconds))
-    current_span().set_attribute("kiln.longest_kernel_s", max(seconds, default=0.0))
+    current_span().set_attribute("kiln.worker_compile_s", sum(s for s, _ in seconds))
+    current_span().set_attribute("kiln.longest_kernel_s", max((s for s, _ in seconds), default=0.0))
+    # the slowest kernels by name, what to look at first when a compile is slow
+    current_span().set_attribute("kiln.slowest_kernels", ", ".join(f"{name} {s:.1f}s" for s, name in sorted(seconds)[::-1][:5]))
     return len(done)
 
 
@@ -181,7 +183,7 @@ def _feed(jobs: queue.SimpleQueue, done: list, failed: list, total: int, peak_rs
                     return
                 reply = json.loads(line)
                 peak_rss[0] = max(peak_rss[0], reply["peak_rss"])
-                seconds.append(reply["seconds"])
+                seconds.append((reply["seconds"], reply["kernel"]))
                 (failed if reply["error"] else done).append(reply["error"])
                 live.count("kernels compiled", len(done), total)
         finally:
@@ -200,7 +202,7 @@ def serve() -> None:
         module, path, symbol, signatures = pickle.loads(base64.b64decode(line))
         t0 = time.perf_counter()
         error = _compile(module, path, symbol, signatures)
-        sys.stdout.write(json.dumps({"error": error, "seconds": time.perf_counter() - t0,
+        sys.stdout.write(json.dumps({"error": error, "seconds": time.perf_counter() - t0, "kernel": symbol,
                                      "peak_rss": _peak_rss()}) + "\n")
         sys.stdout.flush()
 

@@ -327,10 +327,10 @@ def test_candidates_that_clearly_lost_stop_being_timed():
 
 
 def test_timing_stops_at_its_budget_once_every_candidate_is_ranked(local_pipeline, monkeypatch, span_exporter):
-    """Past MIN_ROUNDS rounds, Profile stops once it has timed for KILN_PROFILE_BUDGET_S seconds;
-    the span says how many rounds it timed and that the budget stopped it. A bad budget is
-    refused."""
-    from executor_svc.executor import MIN_ROUNDS
+    """Past MIN_ROUNDS rounds, Profile stops once it has timed for KILN_PROFILE_BUDGET_S seconds,
+    and once the last two candidates have met in FINAL_ROUNDS rounds; the span says how many
+    rounds it timed and what stopped it. A bad budget is refused."""
+    from executor_svc.executor import FINAL_ROUNDS, MIN_ROUNDS
     from kiln.core.errors import InvalidArgument
 
     model, inputs = mlp_example()
@@ -342,12 +342,16 @@ def test_timing_stops_at_its_budget_once_every_candidate_is_ranked(local_pipelin
     timings = local_pipeline.profile(bundles, searched.manifest, repeats=20)
     (ps,) = [s for s in span_exporter.get_finished_spans() if s.name == "executor.profile"]
     assert ps.attributes["kiln.rounds"] == MIN_ROUNDS and ps.attributes["kiln.over_budget"] is True
+    assert ps.attributes["kiln.stopped"] == "budget"
     assert all(t[1] > 0 for t in timings)
     monkeypatch.setenv("KILN_PROFILE_BUDGET_S", "60")
-    span_exporter.clear()
-    local_pipeline.profile(bundles, searched.manifest, repeats=8)
-    (ps,) = [s for s in span_exporter.get_finished_spans() if s.name == "executor.profile"]
-    assert ps.attributes["kiln.rounds"] == 8 and ps.attributes["kiln.over_budget"] is False
+    for repeats, rounds, stopped in ((FINAL_ROUNDS - 1, FINAL_ROUNDS - 1, "repeats"),
+                                     (20, FINAL_ROUNDS, "decided")):
+        span_exporter.clear()
+        local_pipeline.profile(bundles, searched.manifest, repeats=repeats)
+        (ps,) = [s for s in span_exporter.get_finished_spans() if s.name == "executor.profile"]
+        assert (ps.attributes["kiln.rounds"], ps.attributes["kiln.stopped"]) == (rounds, stopped)
+        assert ps.attributes["kiln.over_budget"] is False
     monkeypatch.setenv("KILN_PROFILE_BUDGET_S", "soon")
     with pytest.raises(InvalidArgument, match="KILN_PROFILE_BUDGET_S"):
         local_pipeline.profile(bundles, searched.manifest)
