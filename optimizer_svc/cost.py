@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kiln.ir.graph import ATTENTION_TILES, DEFAULT_ATTENTION_TILE, DEFAULT_GEMM_TILE, GEMM_TILES, Graph
-from kiln.ir.kernel import KernelGraph, gemm_axes, gemm_dims, kernel_gemm
+from kiln.ir.kernel import KernelGraph, gemm_axes, gemm_dims, kernel_gemm, largest_elements
 from kiln.ir.ops import Op
 from kiln.ir.shape import evaluate_dim, numel
 from kiln.v1 import services_pb2
@@ -337,7 +337,7 @@ def _ops(g, k) -> int:
 def predict(kg: KernelGraph, profile: services_pb2.TargetProfile) -> list[KernelCost]:
     g = kg.graph
     env = {name: hi for name, _, hi in g.symbols}
-    elems = lambda i: evaluate_dim(numel(g.nodes[i].shape), env)  # noqa: E731
+    elems = lambda i: largest_elements(g, i)  # noqa: E731 (env: every symbol at its largest)
     threads = max(profile.threads, 1)
     bw = max(profile.bandwidth_gbs, 1e-3) * 1e9
     rate = max(profile.elementwise_gelems, 1e-3) * 1e9

@@ -24,7 +24,7 @@ from typing import Optional
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph, parse_schedule
 from kiln.ir.kernel import (Kernel, KernelGraph, broadcasts, compose_chain, flat_reads, gemm_axes, gemm_dims,
-                             gemm_writes_rows, kernel_gemm, row_broadcast_axis, view_root)
+                             gemm_writes_rows, kernel_gemm, largest_elements, row_broadcast_axis, view_root)
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import contiguous_strides, evaluate_dim, numel
 
@@ -130,11 +130,10 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
     """The kernels with the schedule's parallel choices: which loops run on the pool depends only
     on each kernel's size, so one partition serves every schedule that shares its structure."""
     g = kg.graph
-    largest = {name: hi for name, _, hi in g.symbols}
 
     def work(i: int) -> int:  # a reduction's (or GEMM's) input elements, else the node's own
         n = g.nodes[i]
-        return evaluate_dim(numel(g.nodes[n.inputs[0]].shape if n.op in GroupOp.Reduce else n.shape), largest)
+        return largest_elements(g, n.inputs[0] if n.op in GroupOp.Reduce else i)
 
     def chosen(k: Kernel):  # the search's schedule for the kernel, where its root has one
         if not schedule.searched or k.kind not in ("gemm", "attention", "row", "reduce"):

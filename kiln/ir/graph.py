@@ -106,6 +106,16 @@ class Graph:
     # symbolic dims: (name, min, max), sorted by name
     symbols: tuple[tuple[str, int, int], ...] = ()
 
+    def memo(self, fact: str) -> dict:
+        """A cache of one node-level fact (node index -> value), kept with this graph: its nodes
+        never change, so a fact the optimizer asks for again (a GEMM's axes, a node's element
+        count) for every candidate schedule is worked out once. Not part of the graph's value."""
+        facts = self.__dict__.get("_facts")
+        if facts is None:
+            facts = {}
+            object.__setattr__(self, "_facts", facts)
+        return facts.setdefault(fact, {})
+
     def consumers(self) -> list[list[int]]:
         users: list[list[int]] = [[] for _ in self.nodes]
         for i, n in enumerate(self.nodes):

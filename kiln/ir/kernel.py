@@ -8,7 +8,7 @@ from typing import Optional
 
 from kiln.ir.graph import ATTENTION_TILES, GEMM_TILES, VECTOR_WIDTHS, Graph
 from kiln.ir.ops import Op
-from kiln.ir.shape import contiguous_strides, numel
+from kiln.ir.shape import contiguous_strides, evaluate_dim, numel
 from kiln.ir.view import ViewSpec, compose
 
 
@@ -99,6 +99,14 @@ class Gemm:
     batch_axes: tuple[int, ...]
 
 
+def largest_elements(g: Graph, i: int) -> int:
+    """Node i's element count with every symbol at its largest (what the optimizer sizes kernels by)."""
+    known = g.memo("largest_elements")
+    if i not in known:
+        known[i] = evaluate_dim(numel(g.nodes[i].shape), {name: hi for name, _, hi in g.symbols})
+    return known[i]
+
+
 def kernel_gemm(g: Graph, k: Kernel) -> Optional[int]:
     """The GEMM a gemm kernel computes: its output, or a SumReduce inside it whose result the
     kernel's epilogue reads (every other reduction is its own kernel)."""
@@ -131,6 +139,13 @@ def broadcasts(v: ViewSpec) -> bool:
 
 def gemm_axes(g: Graph, reduce_id: int) -> Optional[Gemm]:
     """The GEMM that reduce_id computes, or None when it is not one."""
+    known = g.memo("gemm_axes")
+    if reduce_id not in known:
+        known[reduce_id] = _gemm_axes(g, reduce_id)
+    return known[reduce_id]
+
+
+def _gemm_axes(g: Graph, reduce_id: int) -> Optional[Gemm]:
     r = g.nodes[reduce_id]
     if r.op is not Op.SUM_REDUCE or not r.dtype.is_float:
         return None
@@ -165,6 +180,13 @@ def gemm_axes(g: Graph, reduce_id: int) -> Optional[Gemm]:
 
 def gemm_dims(g: Graph, gi: int):
     """(Mul shape, batch, M, N, K sizes) of the GEMM that SumReduce gi computes."""
+    known = g.memo("gemm_dims")
+    if gi not in known:
+        known[gi] = _gemm_dims(g, gi)
+    return known[gi]
+
+
+def _gemm_dims(g: Graph, gi: int):
     ga = gemm_axes(g, gi)
     F = g.nodes[g.nodes[gi].inputs[0]].shape
     prod = lambda axes: numel(tuple(F[j] for j in axes))  # noqa: E731

@@ -216,6 +216,19 @@ def test_proto_roundtrip():
     assert graph_from_pb(graph_to_pb(g)) == g
 
 
+def test_facts_kept_with_a_graph_are_not_part_of_it():
+    """A graph's memo (node facts the optimizer asks for per candidate) changes neither its
+    value nor its serialization, and a rebuilt graph starts without it."""
+    from kiln.ir.kernel import largest_elements
+
+    g = _small_graph()
+    before = graph_to_pb(g).SerializeToString(deterministic=True)
+    assert [largest_elements(g, i) for i in range(len(g.nodes))] == [numel(n.shape) for n in g.nodes]
+    assert g.memo("largest_elements") and g == _small_graph() and hash(g) == hash(_small_graph())
+    assert graph_to_pb(g).SerializeToString(deterministic=True) == before
+    assert not graph_from_pb(graph_to_pb(g)).memo("largest_elements")
+
+
 def test_kernel_marks_roundtrip_and_are_checked():
     """The search's kernel choice on a node survives serialization; a mark on an op that kernel
     cannot compute, or an unknown mark, is a malformed graph."""
