@@ -516,7 +516,10 @@ class Executor:
         others_busy). Runs are interleaved round-robin, so every candidate sees the same machine
         state, and each timed run comes right after one of the same candidate, so it starts from
         its own cache state. A candidate that has clearly lost stops being timed (still_timed):
-        its figures are over the rounds it was timed in. Timing stops after `repeats` rounds, or
+        its figures are over the rounds it was timed in (halvings come every DROP_AFTER_ROUNDS
+        rounds, or every round for candidates that run long: LONG_RUN_S). The first round's
+        untimed runs are the warm-up: they load the kernels (or compile those not compiled by
+        then). Timing stops after `repeats` rounds, or
         earlier: once at most two candidates are left and each has been timed in FINAL_ROUNDS
         rounds (decided), or once it has run for profile_budget() seconds and MIN_ROUNDS rounds.
 
@@ -551,20 +554,18 @@ class Executor:
             # one span per timed candidate; they overlap because the candidates are timed interleaved
             candidate_spans = [start_span("executor.candidate", **{"kiln.bundle": str(b), "kiln.candidate": i})
                                for i, b in enumerate(bundles)]
-            with untraced():
-                with _counting_compiles(sessions) as recount:
-                    for s in sessions:  # warm-up: compiles the kernels on first call
-                        self.run_session(s, inputs)
-                        recount()
+            with untraced(), _counting_compiles(sessions) as recount:
                 load = CpuLoad()
-                paired = True
+                paired = True  # the first round always is: its untimed runs load (or compile) the kernels
                 timing = list(range(len(sessions)))
+                # rounds between halvings (still_timed), and before the budget may stop timing
+                every = MIN_ROUNDS
                 budget, began, rounds, stopped = profile_budget(), time.monotonic(), 0, "repeats"
                 for r in range(repeats):
-                    if r >= MIN_ROUNDS and time.monotonic() - began > budget:
+                    if r >= every and time.monotonic() - began > budget:
                         stopped = "budget"  # every candidate has been ranked; the survivors have had their share
                         break
-                    if r and r % DROP_AFTER_ROUNDS == 0:
+                    if r and r % every == 0:
                         timing = still_timed(times, timing)
                     if len(timing) <= 2 and r >= FINAL_ROUNDS:
                         stopped = "decided"  # the last two have met in FINAL_ROUNDS rounds
@@ -580,11 +581,15 @@ class Executor:
                         # candidates that all run long are not (see PAIR_BELOW_S)
                         if paired:
                             self.run_session(s, inputs)
+                            if r == 0:
+                                recount()
                         t0 = time.perf_counter()
                         self.run_session(s, inputs)
                         times[i].append(time.perf_counter() - t0)
                     if r == 0:
                         paired = min(t[0] for t in times) < PAIR_BELOW_S
+                        if min(t[0] for t in times) >= LONG_RUN_S:
+                            every = 1
                 others = load.others_busy()
             relative = paired_ratios(times)
             ps.set_attribute("kiln.rounds", rounds)
@@ -662,6 +667,10 @@ TIE = 0.01
 # 20 rounds 20-70 s per program, growing with layers.
 MIN_ROUNDS = DROP_AFTER_ROUNDS
 PROFILE_BUDGET_S = 10.0
+# Candidates whose runs all take LONG_RUN_S or more are halved after every round, not every
+# DROP_AFTER_ROUNDS: one run of such a program is hundreds of kernel calls, and its noise a
+# percent or two; three rounds of 8 candidates at a Qwen2-0.5B shape's 2 s prefill were 48 s.
+LONG_RUN_S = 0.25
 # Once at most two are left, they are compared over this many rounds and no more: 8 candidates
 # are down to two after 6 rounds, and their paired ratios over those 6 rounds rank them. More
 # rounds only separate two that are within a percent or two of each other (a MiniLM-shaped

@@ -25,7 +25,8 @@ from kiln.core.telemetry import current_span, span
 from kiln.v1 import ir_pb2, services_pb2
 from optimizer_svc.cost import predict
 from optimizer_svc.fold import hoist
-from optimizer_svc.partition import DEFAULT_SCHEDULE, SCHEDULE_GRID, Schedule, partition, with_parallel
+from optimizer_svc.partition import (DEFAULT_SCHEDULE, SCHEDULE_GRID, Schedule, partition, schedule_choices,
+                                     with_choices)
 from optimizer_svc.regions import RegionCycle, assemble, canonical, split
 from optimizer_svc.cost import Pool, graph_cost
 from optimizer_svc.saturate import IterationStat, SearchLimits, SearchReport, saturate
@@ -223,13 +224,14 @@ def candidates(g: Graph, options: OptimizeOptions, profile) -> list[tuple[Schedu
         # schedules that differ only in their parallel choices share one partition
         key = dataclasses.replace(schedule, parallel_min_elements=0, parallel_min_macs=0, searched=True)
         if key not in structures:
-            structures[key] = partition(g, schedule=schedule)
-        kg = with_parallel(structures[key], schedule)
-        shape = tuple((k.kind, k.output, k.nodes, k.parallel, k.order, k.tile, k.collapse, k.vector)
-                      for k in kg.kernels)
-        if shape in seen:
+            kg = partition(g, schedule=schedule)
+            structures[key] = kg, tuple((k.kind, k.output, k.nodes) for k in kg.kernels)
+        kg, kernels = structures[key]
+        choices = schedule_choices(kg, schedule)
+        if (kernels, choices) in seen:
             continue
-        seen.add(shape)
+        seen.add((kernels, choices))
+        kg = with_choices(kg, choices)
         out.append((schedule, kg, predict(kg, profile) if profile is not None else []))
     if profile is not None:
         out.sort(key=lambda c: sum(x.seconds for x in c[2]))  # stable: ties keep the grid's order

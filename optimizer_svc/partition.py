@@ -17,13 +17,12 @@ is found by timing.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph, parse_schedule
-from kiln.ir.kernel import (Kernel, KernelGraph, broadcasts, compose_chain, flat_reads, gemm_axes, gemm_dims,
+from kiln.ir.kernel import (Kernel, KernelGraph, broadcasts, flat_reads, gemm_axes, gemm_dims,
                              gemm_writes_rows, kernel_gemm, largest_elements, row_broadcast_axis, view_root)
 from kiln.ir.ops import GroupOp, Op
 from kiln.ir.shape import contiguous_strides, evaluate_dim, numel
@@ -129,21 +128,35 @@ def partition(g: Graph, fuse: bool = True, schedule: Schedule = DEFAULT_SCHEDULE
 def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
     """The kernels with the schedule's parallel choices: which loops run on the pool depends only
     on each kernel's size, so one partition serves every schedule that shares its structure."""
+    return with_choices(kg, schedule_choices(kg, schedule))
+
+
+def with_choices(kg: KernelGraph, choices: tuple) -> KernelGraph:
+    """The kernels with schedule_choices' (parallel, order, tile, collapse, vector) each."""
+    return KernelGraph(kg.graph, tuple(
+        Kernel(k.name, k.kind, k.nodes, k.output, k.reads, parallel, k.axis, k.scores, order, tile, collapse, vector)
+        for k, (parallel, order, tile, collapse, vector) in zip(kg.kernels, choices)))
+
+
+def schedule_choices(kg: KernelGraph, schedule: Schedule) -> tuple:
+    """Per kernel, what the schedule makes of it: (parallel, order, tile, collapse, vector). The
+    search's grid has some 200 schedules and a 30-layer model's program 400-800 kernels, so these
+    are worked out before any kernel is built, and a schedule that changes nothing builds none."""
     g = kg.graph
 
     def work(i: int) -> int:  # a reduction's (or GEMM's) input elements, else the node's own
         n = g.nodes[i]
         return largest_elements(g, n.inputs[0] if n.op in GroupOp.Reduce else i)
 
+    known = g.memo("kernel_schedule")
+
     def chosen(k: Kernel):  # the search's schedule for the kernel, where its root has one
         if not schedule.searched or k.kind not in ("gemm", "attention", "row", "reduce"):
             return None
-        root = g.nodes[kernel_gemm(g, k) if k.kind == "gemm" else k.output]
-        if k.kind == "row":  # the row term's root, which elementwise work after it (a norm's weight) may follow
-            root = next((g.nodes[j] for j in k.nodes if g.nodes[j].kernel == "row" and g.nodes[j].schedule), root)
-        if k.kind == "gemm" and root.kernel != "gemm":  # attention's P·V on its own: its tile is no GEMM's
-            return None
-        return parse_schedule(root.schedule)
+        at = (k.kind, k.output, k.nodes)
+        if at not in known:
+            known[at] = _searched_schedule(g, k)
+        return known[at]
 
     def parallel(k: Kernel) -> bool:  # by the size thresholds
         if k.kind in ("elementwise", "reduce", "row"):
@@ -158,17 +171,27 @@ def with_parallel(kg: KernelGraph, schedule: Schedule) -> KernelGraph:
     def single(k: Kernel) -> bool:  # one matrix, not a batch: its rows of C come in tiles
         return gemm_dims(g, kernel_gemm(g, k))[1] == 1
 
-    def scheduled(k: Kernel) -> Kernel:
+    def scheduled(k: Kernel) -> tuple:
         s = chosen(k)
         if s is None:
-            return dataclasses.replace(k, parallel=parallel(k), order="", tile=0, collapse=False, vector=0)
+            return parallel(k), "", 0, False, 0
         # a bool reduction keeps the default order (a scalar accumulator)
         axis_outer = k.kind == "reduce" and s.axis_outer and g.nodes[k.output].dtype is not DType.BOOL
-        return dataclasses.replace(k, parallel=s.parallel, order="axis-outer" if axis_outer else "",
-                                   tile=s.tile if k.kind == "attention" or (k.kind == "gemm" and single(k)) else 0,
-                                   collapse=s.collapse and k.kind in ("reduce", "row"), vector=s.vector)
+        return (s.parallel, "axis-outer" if axis_outer else "",
+                s.tile if k.kind == "attention" or (k.kind == "gemm" and single(k)) else 0,
+                s.collapse and k.kind in ("reduce", "row"), s.vector)
 
-    return KernelGraph(g, tuple(scheduled(k) for k in kg.kernels))
+    return tuple(scheduled(k) for k in kg.kernels)
+
+
+def _searched_schedule(g: Graph, k: Kernel):
+    """The schedule the search marked on the kernel's root (parse_schedule), or None."""
+    root = g.nodes[kernel_gemm(g, k) if k.kind == "gemm" else k.output]
+    if k.kind == "row":  # the row term's root, which elementwise work after it (a norm's weight) may follow
+        root = next((g.nodes[j] for j in k.nodes if g.nodes[j].kernel == "row" and g.nodes[j].schedule), root)
+    if k.kind == "gemm" and root.kernel != "gemm":  # attention's P·V on its own: its tile is no GEMM's
+        return None
+    return parse_schedule(root.schedule)
 
 
 def _fuse_attention(g: Graph, users, outputs, kernels: list[Kernel]) -> list[Kernel]:

@@ -107,9 +107,10 @@ class Graph:
     symbols: tuple[tuple[str, int, int], ...] = ()
 
     def memo(self, fact: str) -> dict:
-        """A cache of one node-level fact (node index -> value), kept with this graph: its nodes
-        never change, so a fact the optimizer asks for again (a GEMM's axes, a node's element
-        count) for every candidate schedule is worked out once. Not part of the graph's value."""
+        """A cache of one fact about this graph (per node: node index -> value), kept with it: its
+        nodes never change, so a fact the optimizer asks for again (a GEMM's axes, a node's
+        element count, its serialization) for every candidate schedule is worked out once. Not
+        part of the graph's value."""
         facts = self.__dict__.get("_facts")
         if facts is None:
             facts = {}

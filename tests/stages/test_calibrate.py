@@ -177,10 +177,9 @@ def test_each_timed_run_follows_one_of_its_own(local_pipeline, monkeypatch):
     monkeypatch.setattr(executor, "run_session", run_session)
     monkeypatch.setattr("executor_svc.executor.time.perf_counter", perf_counter)
     local_pipeline.profile([searched.bundle, unsearched.bundle], searched.manifest, repeats=3)
-    runs = [b for kind, b in events if kind == "run"]
-    assert runs[:2] == [searched.bundle, unsearched.bundle]  # warm-up (compiles)
-    # then per round and candidate: an untimed run, the clock, the timed run of the same one, the clock
-    timed = events[[i for i, (kind, _) in enumerate(events) if kind == "run"][2]:]
+    # per round and candidate: an untimed run, the clock, the timed run of the same one, the clock
+    # (the first round's untimed runs are the warm-up: no run of its own before them)
+    timed = events[[kind for kind, _ in events].index("run"):]
     rounds = [timed[i:i + 4] for i in range(0, len(timed), 4)]
     assert len(rounds) == 6 and [r[0][1] for r in rounds] == [searched.bundle, unsearched.bundle] * 3
     assert all([kind for kind, _ in r] == ["run", "clock", "run", "clock"] and r[0] == r[2] for r in rounds)
@@ -189,7 +188,7 @@ def test_each_timed_run_follows_one_of_its_own(local_pipeline, monkeypatch):
     monkeypatch.setattr("executor_svc.executor.PAIR_BELOW_S", 0.0)
     events.clear()
     local_pipeline.profile([searched.bundle, unsearched.bundle], searched.manifest, repeats=3)
-    timed = events[[i for i, (kind, _) in enumerate(events) if kind == "run"][2]:]
+    timed = events[[kind for kind, _ in events].index("run"):]
     first, rest = timed[:8], timed[8:]
     assert [kind for kind, _ in first] == ["run", "clock", "run", "clock"] * 2
     assert [kind for kind, _ in rest] == ["clock", "run", "clock"] * 4
@@ -324,6 +323,29 @@ def test_candidates_that_clearly_lost_stop_being_timed():
     # round j's fastest is over the candidates timed in round j
     rel = paired_ratios([[100.0, 100.0, 90.0], [110.0, 120.0, 90.0], [105.0]])
     assert rel == pytest.approx([1.0, 1.1, 1.05])
+
+
+def test_candidates_that_run_long_are_halved_every_round(local_pipeline, monkeypatch):
+    """Halvings come every DROP_AFTER_ROUNDS rounds, and after every round once the first round's
+    runs all took LONG_RUN_S or more (a run of a real model is hundreds of kernel calls)."""
+    import executor_svc.executor as ex
+
+    model, inputs = mlp_example()
+    bundles = [kiln.compile(model, inputs, pipeline=local_pipeline).result,
+               kiln.compile(model, inputs, pipeline=local_pipeline, search=False).result]
+    monkeypatch.setenv("KILN_PROFILE_BUDGET_S", "600")
+    halved_at, real = [], ex.still_timed
+
+    def still_timed(times, timing):
+        halved_at.append(max(len(t) for t in times))  # rounds timed so far
+        return real(times, timing)
+
+    monkeypatch.setattr(ex, "still_timed", still_timed)
+    for long_run_s, rounds in ((1e9, [ex.DROP_AFTER_ROUNDS]), (0.0, [1, 2, 3])):
+        monkeypatch.setattr(ex, "LONG_RUN_S", long_run_s)
+        halved_at.clear()
+        local_pipeline.profile([b.bundle for b in bundles], bundles[0].manifest, repeats=ex.DROP_AFTER_ROUNDS + 1)
+        assert halved_at == rounds
 
 
 def test_timing_stops_at_its_budget_once_every_candidate_is_ranked(local_pipeline, monkeypatch, span_exporter):
