@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import io
 import re
 import threading
 import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 
 from importer_svc.lowerings import KEEP_UNDECOMPOSED, LOWERINGS
 from importer_svc.safe_load import load_program
 from kiln.cas import cache
 from kiln.cas.digest import Digest
-from kiln.core.errors import FailedPrecondition, InvalidArgument, KilnError, NotFound
+from kiln.core.errors import FailedPrecondition, InvalidArgument, KilnError
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph, prune
 from kiln.ir.serialize import graph_to_pb, manifest_to_pb
-from kiln.ir.shape import format_shape, from_sympy
+from kiln.ir.shape import Sym, format_shape, from_sympy
 from kiln.cas.store import BlobStore
 from kiln.core.telemetry import span
 from kiln.ir.dtypes import torch_to_numpy
@@ -188,16 +187,29 @@ def lower_program(ep: torch.export.ExportedProgram) -> tuple[Graph, dict[str, to
     from torch.utils import _pytree as pytree
 
     tree = pytree.treespec_dumps(ep.call_spec.out_spec) if ep.call_spec.out_spec is not None else ""
-    graph = prune(b.build(outputs, user_outputs, tree, _symbol_ranges(ep)))
-    return graph, tensors
+    graph = prune(b.build(outputs, user_outputs, tree))
+    return dataclasses.replace(graph, symbols=_symbol_ranges(ep, _symbols_in(graph))), tensors
 
 
-def _symbol_ranges(ep) -> tuple[tuple[str, int, int], ...]:
+def _symbol_ranges(ep, used: set[str]) -> tuple[tuple[str, int, int], ...]:
+    """The program's symbols that the graph uses, with their ranges. (Decomposing a program as
+    exported in this process, not loaded from its archive, leaves torch's range for a symbol that
+    no shape uses, [2, inf]: no input would bind it.)"""
     out = []
     for sym, vr in ep.range_constraints.items():
-        if getattr(sym, "is_Symbol", False):
+        if getattr(sym, "is_Symbol", False) and sym.name in used:
             out.append((sym.name, _bound(vr.lower, 0), _bound(vr.upper, (1 << 31) - 1)))
     return tuple(sorted(out))
+
+
+def _symbols_in(g: Graph) -> set[str]:
+    """Every symbol in the graph's shapes and views."""
+    dims = [d for t in g.inputs + g.weights for d in t.shape]
+    for n in g.nodes:
+        dims += n.shape
+        if n.view is not None:
+            dims += [*n.view.shape, *n.view.strides, n.view.offset, *(x for r in n.view.mask or () for x in r)]
+    return {name for d in dims if isinstance(d, Sym) for name in d.symbols()}
 
 
 def _bound(v, unbounded: int) -> int:
@@ -259,10 +271,29 @@ def import_program(store: BlobStore, program: Digest, deadline: Optional[float] 
                 del data  # the archive (every weight once more) is not held while the program is lowered
             with span("importer.lower"):
                 graph, tensors = lower_program(ep)
-        with span("importer.upload_weights", **{"kiln.weights": len(tensors)}):
-            blobs = [(w.name, w.dtype, tensors[w.name].shape, store.put(_tensor_bytes(tensors[w.name])))
-                     for w in graph.weights]
-            manifest_d = store.put_message(manifest_to_pb(blobs))
-        graph_d = store.put_message(graph_to_pb(graph))
-        cache.record(store, key, {"graph": graph_d, "manifest": manifest_d})
-        return ImportResult(graph_d, manifest_d, len(graph.nodes))
+        result = _stored(store, graph, tensors)
+        cache.record(store, key, {"graph": result.graph, "manifest": result.manifest})
+        return result
+
+
+def import_exported(store: BlobStore, ep: torch.export.ExportedProgram) -> ImportResult:
+    """A program exported in this process, lowered as it is: what import_program does with its
+    archive, without the archive. kiln.compile and compile_causal_lm import this way in local mode:
+    writing a 30-layer model's two programs as .pt2 archives and loading them back took 25 s of
+    a 130 s compile, and the archives held every weight twice more. (The graph is the same one
+    import_program gives, but the action cache knows it by the program's export key
+    (kiln.exportkey), not by an archive's digest.)"""
+    with _torch_export_lock:
+        with span("importer.lower"):
+            graph, tensors = lower_program(ep)
+    return _stored(store, graph, tensors)
+
+
+def _stored(store: BlobStore, graph: Graph, tensors: dict[str, torch.Tensor]) -> ImportResult:
+    """The graph and one blob per weight, with the manifest naming them, written to the store."""
+    with span("importer.upload_weights", **{"kiln.weights": len(tensors)}):
+        blobs = [(w.name, w.dtype, tensors[w.name].shape, store.put(_tensor_bytes(tensors[w.name])))
+                 for w in graph.weights]
+        manifest_d = store.put_message(manifest_to_pb(blobs))
+    graph_d = store.put_message(graph_to_pb(graph))
+    return ImportResult(graph_d, manifest_d, len(graph.nodes))

@@ -43,7 +43,7 @@ from typing import Mapping, Optional
 
 log = logging.getLogger(__name__)
 
-EXPORT_KEY_VERSION = "1"
+EXPORT_KEY_VERSION = "2"  # 2: the record holds the imported graphs and manifests, not .pt2 archives
 MAX_DEPTH = 8  # attribute nesting walked before a module is called unkeyable
 HASH_THREADS = 4  # hashlib releases the GIL on large buffers
 # kiln's packages: keyed by the source of the kiln package (its export wrappers and callers), not

@@ -119,7 +119,7 @@ def _compile_causal_lm(model, pipeline, max_context: int, max_batch: int, search
     from kiln.core import progress as live
     from torch.export import Dim
 
-    from kiln.pipeline import Pipeline
+    from kiln.pipeline import Imported, Pipeline
     from kiln.v1 import services_pb2
 
     if not 1 <= max_batch <= 4096:
@@ -145,10 +145,12 @@ def _compile_causal_lm(model, pipeline, max_context: int, max_batch: int, search
         key = export_key(model, (), None, None, {"entry": "causal_lm", "max_context": max_context,
                                                   "max_batch": max_batch, "min_past": MIN_PAST},
                          code=(sys.modules[__name__],))
-        found = pipeline.exported(key, ("prefill", "decode"))
+        parts = ("prefill_graph", "prefill_manifest", "decode_graph", "decode_manifest")
+        found = pipeline.exported(key, parts)
         es.set_attribute("kiln.export_cache", "off" if key is None else "hit" if found else "miss")
         if found:
-            programs = [found["prefill"], found["decode"]]
+            programs = [Imported(found["prefill_graph"], found["prefill_manifest"]),
+                        Imported(found["decode_graph"], found["decode_manifest"])]
         else:
             with torch.no_grad():
                 ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -172,13 +174,15 @@ def _compile_causal_lm(model, pipeline, max_context: int, max_batch: int, search
             if not isinstance(batch_dim, torch.SymInt):
                 raise errors.FailedPrecondition(f"{type(model).__name__}: export fixed the decode program's batch "
                                                 f"at {batch_dim}; sequences could not share decode steps")
-    if not found:
-        programs = [pipeline.upload_program(ep) for ep in (ep_prefill, ep_decode)]
-        pipeline.record_exported(key, {"prefill": programs[0], "decode": programs[1]})
+            programs = [ep_prefill, ep_decode]
+            del ep_prefill, ep_decode
     results = []
-    for part, program in zip(("prefill", "decode"), programs):
+    for part in ("prefill", "decode"):
         live.section(part)
-        results.append(pipeline.compile_program(program, search=search, candidates=candidates))
+        results.append(pipeline.compile_program(programs.pop(0), search=search, candidates=candidates))
+    if not found:
+        pipeline.record_exported(key, dict(zip(parts, (results[0].graph, results[0].manifest,
+                                                       results[1].graph, results[1].manifest))))
     eos = cfg.eos_token_id if getattr(cfg, "eos_token_id", None) is not None else []
     lm = services_pb2.CausalLM(prefill_bundle=results[0].bundle.to_pb(), prefill_manifest=results[0].manifest.to_pb(),
                                decode_bundle=results[1].bundle.to_pb(), decode_manifest=results[1].manifest.to_pb(),

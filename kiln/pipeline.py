@@ -63,6 +63,13 @@ class CompileResult:
     peak_bytes: int
 
 
+@dataclass(frozen=True)
+class Imported:
+    """A program imported already: its graph and weight manifest (what the export cache holds)."""
+    graph: Digest
+    manifest: Digest
+
+
 def _with_launch_shapes(report: services_pb2.OptimizeReport, shapes) -> services_pb2.OptimizeReport:
     """The report with its first (best predicted) candidate added once per other launch shape."""
     out = services_pb2.OptimizeReport()
@@ -107,6 +114,13 @@ class Pipeline:
 
     def import_program(self, program: Digest) -> tuple[Digest, Digest]:
         return self._stages["importer"].import_program(program)
+
+    def import_exported(self, ep) -> tuple[Digest, Digest]:
+        """A torch.export program of this process, imported: in local mode lowered as it is (no
+        .pt2 archive written and read back); a remote importer gets its archive."""
+        if self.remote:
+            return self.import_program(self.upload_program(ep))
+        return self._stages["importer"].import_exported(ep)
 
     def optimize(self, graph: Digest, search: bool = True, max_iterations: int = 0, max_enodes: int = 0,
                  time_budget_s: float = 0.0, target_profile: Optional[Digest] = None, candidates: int = 0
@@ -153,18 +167,26 @@ class Pipeline:
 
     # ---- whole compiles ----
 
-    def compile_program(self, program: Digest, search: bool = True, target: str = "cpu",
+    def compile_program(self, program, search: bool = True, target: str = "cpu",
                         target_profile: Optional[Digest] = None, candidates: Optional[int] = None
                         ) -> CompileResult:
-        """Import, optimize, emit. With the search on and more than one candidate, the
-        optimizer's best predicted schedules (under the target's calibrated profile, measured
+        """Import, optimize, emit. `program`: a .pt2 archive's digest, a torch.export program of
+        this process (import_exported), or one Imported already. With the search on and more
+        than one candidate, the optimizer's best predicted schedules (under the target's calibrated profile, measured
         once per target) are emitted and timed on the executor, and the fastest is kept. With
         one candidate the cost model's pick is kept, under the calibrated profile if the target
         has one already (a compile never measures the machine just to rank one candidate)."""
         candidates = default_candidates() if candidates is None else candidates
-        with span("kiln.compile_program", **{"kiln.program": str(program), "kiln.remote": self.remote}):
+        what = ({"kiln.program": str(program)} if isinstance(program, Digest) else
+                {"kiln.graph": str(program.graph)} if isinstance(program, Imported) else {})
+        with span("kiln.compile_program", **what, **{"kiln.remote": self.remote}):
             live.stage("import")
-            graph, manifest = self.import_program(program)
+            if isinstance(program, Digest):
+                graph, manifest = self.import_program(program)
+            elif isinstance(program, Imported):
+                graph, manifest = program.graph, program.manifest
+            else:
+                graph, manifest = self.import_exported(program)
             if search and target_profile is None:  # the program chosen depends on the profile, not on who asks
                 live.stage("calibrate")
                 target_profile = self.calibrate(target)[0] if candidates > 1 else self.known_profile(target)
@@ -239,15 +261,16 @@ class Pipeline:
         return kgs[best], out
 
     def exported(self, key: Optional[str], names: Sequence[str]) -> Optional[dict[str, Digest]]:
-        """The exported programs (and what else was recorded with them) under a key of
-        kiln.exportkey, or None: no key, nothing recorded, or not every name."""
+        """The programs exported and imported under a key of kiln.exportkey (their graphs and
+        manifests, and what else was recorded with them), or None: no key, nothing recorded, or
+        not every name."""
         if key is None:
             return None
         found = cache.lookup(self.store, _export_action(key))
         return found if found is not None and all(n in found for n in names) else None
 
     def record_exported(self, key: Optional[str], outputs: Mapping[str, object]) -> None:
-        """Records programs (digests) and text (stored as blobs) under an export key."""
+        """Records imported programs (digests) and text (stored as blobs) under an export key."""
         if key is not None:
             digests = {n: v if isinstance(v, Digest) else self.store.put(str(v).encode()) for n, v in outputs.items()}
             cache.record(self.store, _export_action(key), digests)
@@ -332,28 +355,27 @@ def compile(module, example_args: tuple, example_kwargs: Optional[dict] = None, 
         with span("kiln.export") as es:
             key = export_key(module, tuple(example_args), example_kwargs, dynamic_shapes, {"entry": "compile"},
                              code=(sys.modules[__name__],))
-            found = pipeline.exported(key, ("program", "in_spec"))
+            found = pipeline.exported(key, ("graph", "manifest", "in_spec"))
             es.set_attribute("kiln.export_cache", "off" if key is None else "hit" if found else "miss")
             if found:
-                program = found["program"]
+                program = Imported(found["graph"], found["manifest"])
                 in_spec = pytree.treespec_loads(pipeline.store.get(found["in_spec"]).decode())
             else:
                 try:
-                    ep = torch.export.export(module, tuple(example_args), example_kwargs or {},
-                                             dynamic_shapes=dynamic_shapes)
+                    program = torch.export.export(module, tuple(example_args), example_kwargs or {},
+                                                  dynamic_shapes=dynamic_shapes)
                 except Exception as e:
                     raise errors.FailedPrecondition(f"torch.export failed: {type(e).__name__}: {e}") from e
-                in_spec = ep.call_spec.in_spec
-        if not found:
-            program = pipeline.upload_program(ep)
-            if key is not None and in_spec is not None:
-                try:  # a structure torch cannot write as text is exported again next time
-                    spec_text = pytree.treespec_dumps(in_spec)
-                except (TypeError, ValueError, NotImplementedError, AttributeError) as e:
-                    log.info("export not recorded: its input structure cannot be written (%s)", e)
-                else:
-                    pipeline.record_exported(key, {"program": program, "in_spec": spec_text})
+                in_spec = program.call_spec.in_spec
         result = pipeline.compile_program(program, search=search, target=target, candidates=candidates)
+        if not found and key is not None and in_spec is not None:
+            try:  # a structure torch cannot write as text is exported again next time
+                spec_text = pytree.treespec_dumps(in_spec)
+            except (TypeError, ValueError, NotImplementedError, AttributeError) as e:
+                log.info("export not recorded: its input structure cannot be written (%s)", e)
+            else:
+                pipeline.record_exported(key, {"graph": result.graph, "manifest": result.manifest,
+                                               "in_spec": spec_text})
         current_span().set_attribute("kiln.bundle", str(result.bundle))
         live.stage("load")
         session = pipeline.load(result.bundle, result.manifest)

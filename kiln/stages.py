@@ -76,6 +76,12 @@ class LocalStages:
         r = import_program(self.store, program)
         return r.graph, r.manifest
 
+    def import_exported(self, ep):
+        from importer_svc.importer import import_exported
+
+        r = import_exported(self.store, ep)
+        return r.graph, r.manifest
+
     def optimize(self, graph, options):
         from optimizer_svc.optimizer import optimize
 
