@@ -172,10 +172,11 @@ class Pipeline:
                         ) -> CompileResult:
         """Import, optimize, emit. `program`: a .pt2 archive's digest, a torch.export program of
         this process (import_exported), or one Imported already. With the search on and more
-        than one candidate, the optimizer's best predicted schedules (under the target's calibrated profile, measured
-        once per target) are emitted and timed on the executor, and the fastest is kept. With
-        one candidate the cost model's pick is kept, under the calibrated profile if the target
-        has one already (a compile never measures the machine just to rank one candidate)."""
+        than one candidate, the optimizer's best predicted schedules (under the target's
+        calibrated profile, measured once per target) are emitted and timed on the executor,
+        and the fastest is kept. With one candidate the cost model's pick is kept, under the
+        calibrated profile if the target has one already (a compile never measures the machine
+        just to rank one candidate)."""
         candidates = default_candidates() if candidates is None else candidates
         what = ({"kiln.program": str(program)} if isinstance(program, Digest) else
                 {"kiln.graph": str(program.graph)} if isinstance(program, Imported) else {})
