@@ -3,9 +3,9 @@
 A warm compile (the same model compiled again, in a new process, over the same store) spent most
 of its time exporting: 1.5 s of a MiniLM-shaped encoder's 3 s, and for a causal LM's prefill and
 decode programs (dynamic batch and sequence) 8-14 s at 2 layers, growing with layers; everything
-after the export was found in the store in under a second. The exported program is recorded in
-the action cache under this key, so a compile that finds it skips the export (and torch's
-serialization of the program) and goes on with the program's digest.
+after the export was found in the store in under a second. What the export led to (the
+imported graph and weight manifest of each program) is recorded in the action cache under this
+key, so a compile that finds it skips the export and the import and goes on with the graph.
 
 The key covers everything the export reads:
 - the code: every class in the module tree and every function, class and module their modules'

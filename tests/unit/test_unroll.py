@@ -39,13 +39,15 @@ def test_kernels_unroll_within_o2s_budget_and_compute_numbas_values():
     kilns(got, x)
     np.testing.assert_array_equal(got, before)
     assert np.isnan(got[1]) and got[0] == x[:64].max()
-    # at O3's budget the second loop is unrolled around the vectorized innermost: ~25k lines
-    assert _ir_lines(kilns) * 5 < _ir_lines(numbas), (_ir_lines(kilns), _ir_lines(numbas))
+    # at O3's budget the second loop is unrolled around the vectorized innermost. How far depends
+    # on the CPU: 25,187 lines against kiln's 1,059 on one machine, 2,432 against 648 on another
+    # (an AVX-512 EPYC), so the bound is a factor of two
+    assert _ir_lines(kilns) * 2 < _ir_lines(numbas), (_ir_lines(kilns), _ir_lines(numbas))
     # and code compiled after a kernel is unrolled as LLVM does by default again
     after = njit(**OPTIONS)(_row_max)  # a new dispatcher: compiled anew
     out = np.empty_like(before)
     after(out, x)
-    assert _ir_lines(after) > _ir_lines(kilns) * 5
+    assert _ir_lines(after) == _ir_lines(numbas)
 
 
 def test_the_budget_is_set_once_for_nested_lowering_and_restored_at_the_outermost(monkeypatch):
