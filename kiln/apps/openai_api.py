@@ -9,9 +9,14 @@ in process, or a remote Executor over gRPC.
 
 OpenAI's semantics: `max_tokens` (default 16), `temperature` (default 1; 0 is greedy),
 `top_p`, `seed`, `stop` (strings: the text ends before the first one, finish "stop"); an
-end-of-sequence token finishes with "stop", the token limit with "length". One choice per
-request (n=1). Errors come back as OpenAI's error object: 400 for a bad request, 404 for an
-unknown model or path, 429 past a limit (the executor's RESOURCE_EXHAUSTED).
+end-of-sequence token finishes with "stop", the token limit with "length". A prompt is text or
+token ids; a chat message's content is text or a list of text parts. `stream_options`'
+`include_usage` adds the usage chunk at the end of a stream. One choice per request (n=1).
+Errors come back as OpenAI's error object: 400 for a bad request (a prompt and max_tokens past
+the model's context among them: a client retries a 429), and for any field kiln does not
+support (tools, response_format, logprobs, ...: named, never ignored); 404 for an unknown model
+or path; 429 past a limit (the executor's RESOURCE_EXHAUSTED). `/health` answers 200 once the
+model is served.
 """
 
 from __future__ import annotations
@@ -30,6 +35,16 @@ from kiln.cas.digest import Digest
 DEFAULT_MAX_TOKENS = 16
 MAX_BODY_BYTES = 1 << 20
 
+# the request fields kiln acts on, per route; any other field is refused by name (a field left
+# at the value that means "off", such as presence_penalty 0 or logprobs false, changes nothing)
+SUPPORTED = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user"}
+FIELDS = {"/v1/completions": SUPPORTED | {"prompt"},
+          "/v1/chat/completions": SUPPORTED | {"messages", "max_completion_tokens"}}
+OFF = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (None, False, 0),
+       "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1), "logit_bias": (None, {}),
+       "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
+       "parallel_tool_calls": (None,), "functions": (None, []), "function_call": (None, "none")}
+
 
 @dataclass
 class Model:
@@ -39,17 +54,21 @@ class Model:
     chat_template: Optional[str]
     bos: str = ""
     eos: str = ""
+    max_context: int = 0  # prompt and new tokens together (0: not known here; the executor checks)
+    created: int = 0      # when it was served (Unix seconds), as /v1/models reports it
+    vocab_size: int = 0   # token ids a prompt may hold (0: the tokenizer's)
 
 
 def load_chat_template(path: str | Path) -> tuple[Optional[str], str, str]:
-    """(chat template or None, bos token, eos token) from tokenizer_config.json."""
+    """(chat template or None, bos token, eos token) from tokenizer_config.json, the template
+    from chat_template.jinja where the config has none (where transformers writes it)."""
     f = Path(path) / "tokenizer_config.json"
-    if not f.is_file():
-        return None, "", ""
-    try:
-        cfg = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise errors.InvalidArgument(f"{f}: not readable JSON: {e}") from e
+    cfg = {}
+    if f.is_file():
+        try:
+            cfg = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise errors.InvalidArgument(f"{f}: not readable JSON: {e}") from e
 
     def token(v) -> str:
         return v.get("content", "") if isinstance(v, dict) else (v or "")
@@ -57,7 +76,32 @@ def load_chat_template(path: str | Path) -> tuple[Optional[str], str, str]:
     template = cfg.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    jinja = Path(path) / "chat_template.jinja"
+    if template is None and jinja.is_file():
+        try:
+            template = jinja.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise errors.InvalidArgument(f"{jinja}: not a readable template: {e}") from e
     return template, token(cfg.get("bos_token")), token(cfg.get("eos_token"))
+
+
+def check_fields(route: str, body: dict) -> None:
+    """Refuses, by name, any field kiln does not act on (unless it is at its "off" value)."""
+    for name, value in body.items():
+        if name in FIELDS[route] or (name in OFF and any(value == v and type(value) is type(v) for v in OFF[name])):
+            continue
+        raise errors.InvalidArgument(f"{name} is not supported by this server (kiln serves {route} with "
+                                     f"{', '.join(sorted(FIELDS[route]))})")
+
+
+def message_text(content) -> Optional[str]:
+    """A message's content as text: a string, or a list of text parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    return None
 
 
 def render_chat(model: Model, messages: list) -> str:
@@ -65,9 +109,11 @@ def render_chat(model: Model, messages: list) -> str:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict) and isinstance(m.get("role"), str) and message_text(m.get("content")) is not None
             for m in messages):
-        raise errors.InvalidArgument("messages must be a non-empty list of {role, content} objects with text content")
+        raise errors.InvalidArgument("messages must be a non-empty list of {role, content} objects with text content "
+                                     "(a string, or a list of {type: text, text} parts)")
+    messages = [dict(m, content=message_text(m["content"])) for m in messages]
 
     def raise_exception(message):
         raise TemplateError(message)
@@ -103,6 +149,12 @@ class Completion:
             raise errors.InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
             raise errors.InvalidArgument("stop must be a string or a list of up to 4 non-empty strings")
+        if model.max_context and len(prompt_ids) + max_tokens > model.max_context:
+            # the request as asked can never run here: a 400, which clients do not retry (a 429 they do)
+            raise errors.InvalidArgument(
+                f"this model's maximum context length is {model.max_context} tokens; the request asks for "
+                f"{len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the prompt, {max_tokens} to generate): "
+                "shorten the prompt or lower max_tokens")
         self.stop = stop
         self.tokens = pipeline.generate(model.digest, prompt_ids, max_tokens, temperature=float(temperature),
                                         top_p=float(top_p) if top_p < 1 else 0.0, seed=seed)
@@ -170,7 +222,10 @@ def make_handler(pipeline, model: Model):
         def do_GET(self):
             if self.path.rstrip("/") == "/v1/models":
                 return self._json(200, {"object": "list", "data": [
-                    {"id": model.name, "object": "model", "created": 0, "owned_by": "kiln"}]})
+                    {"id": model.name, "object": "model", "created": model.created, "owned_by": "kiln",
+                     "max_model_len": model.max_context or None}]})
+            if self.path.rstrip("/") == "/health":  # serving: the model is compiled and loaded
+                return self._json(200, {"status": "ok"})
             self._error(404, "not_found_error", f"no route {self.path}")
 
         def do_POST(self):
@@ -190,18 +245,18 @@ def make_handler(pipeline, model: Model):
                 if body.get("model") not in (None, model.name):
                     raise errors.NotFound(f"model {body.get('model')!r} is not served here; this server serves "
                                           f"{model.name!r}")
+                check_fields(route, body)
+                options = body.get("stream_options")
+                if options is not None and (not body.get("stream") or not isinstance(options, dict)
+                                            or set(options) - {"include_usage"}):
+                    raise errors.InvalidArgument("stream_options takes {include_usage: bool}, and only with stream")
                 chat = route.endswith("chat/completions")
                 if chat:
                     if model.chat_template is None:
                         raise errors.NotFound(f"{model.name} has no chat template: use /v1/completions")
-                    text = render_chat(model, body.get("messages"))
+                    ids = model.tokenizer.encode(render_chat(model, body.get("messages")), add_special_tokens=False).ids
                 else:
-                    text = body.get("prompt")
-                    if isinstance(text, list) and len(text) == 1:
-                        text = text[0]
-                    if not isinstance(text, str) or not text:
-                        raise errors.InvalidArgument("prompt must be a non-empty string")
-                ids = model.tokenizer.encode(text, add_special_tokens=not chat).ids
+                    ids = prompt_ids(model, body.get("prompt"))
                 completion = Completion(pipeline, model, ids, body)
             except errors.KilnError as e:
                 status, kind = _STATUS.get(e.code, (500, "server_error"))
@@ -209,7 +264,7 @@ def make_handler(pipeline, model: Model):
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             try:
                 if body.get("stream"):
-                    self._stream(completion, rid, chat)
+                    self._stream(completion, rid, chat, bool((body.get("stream_options") or {}).get("include_usage")))
                 else:
                     text = "".join(completion.chunks())
                     choice = ({"index": 0, "message": {"role": "assistant", "content": text},
@@ -223,7 +278,7 @@ def make_handler(pipeline, model: Model):
                     status, kind = _STATUS.get(e.code, (500, "server_error"))
                     self._error(status, kind, str(e))
 
-        def _stream(self, completion: Completion, rid: str, chat: bool) -> None:
+        def _stream(self, completion: Completion, rid: str, chat: bool, usage: bool) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
@@ -232,7 +287,7 @@ def make_handler(pipeline, model: Model):
             self.close_connection = True
             created = int(time.time())
 
-            def event(delta: Optional[dict], text: Optional[str], finish) -> None:
+            def event(delta: Optional[dict], text: Optional[str], finish, last: bool = False) -> None:
                 if chat:
                     choice = {"index": 0, "delta": delta, "finish_reason": finish}
                     obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model.name,
@@ -241,6 +296,10 @@ def make_handler(pipeline, model: Model):
                     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
                     obj = {"id": rid, "object": "text_completion", "created": created, "model": model.name,
                            "choices": [choice]}
+                if usage:  # every chunk says it has none; the last one, with no choices, has it
+                    obj["usage"] = completion.usage() if last else None
+                    if last:
+                        obj["choices"] = []
                 self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
                 self.wfile.flush()
 
@@ -250,6 +309,8 @@ def make_handler(pipeline, model: Model):
                 for piece in completion.chunks():
                     event({"content": piece}, piece, None)
                 event({}, "", completion.finish_reason)
+                if usage:
+                    event(None, None, None, last=True)
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
@@ -258,13 +319,32 @@ def make_handler(pipeline, model: Model):
     return Handler
 
 
+def prompt_ids(model: Model, prompt) -> list[int]:
+    """A completion's prompt as token ids: text (tokenized), or token ids, alone or as a batch of one."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return model.tokenizer.encode(prompt, add_special_tokens=True).ids
+    vocab = model.vocab_size or model.tokenizer.get_vocab_size()
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise errors.InvalidArgument(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        return list(prompt)
+    raise errors.InvalidArgument("prompt must be a non-empty string or a non-empty list of token ids "
+                                 "(one prompt per request)")
+
+
 def load_model(pipeline, path: str | Path, max_context: int, max_batch: int, name: str = "") -> Model:
     from kiln.llm import compile_causal_lm, load_tokenizer
+    from kiln.v1 import services_pb2
 
     tokenizer = load_tokenizer(path)
     template, bos, eos = load_chat_template(path)
     digest = compile_causal_lm(path, pipeline, max_context=max_context, max_batch=max_batch, name=name)
-    return Model(name or Path(path).name, digest, tokenizer, template, bos, eos)
+    lm = pipeline.store.get_message(digest, services_pb2.CausalLM)
+    return Model(name or Path(path).name, digest, tokenizer, template, bos, eos, lm.max_context, int(time.time()),
+                 lm.vocab_size)
 
 
 def serve(pipeline, model: Model, port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:

@@ -32,13 +32,25 @@ def server(tmp_path_factory):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "</s>"}))
+    # the template where the pinned transformers saves it: chat_template.jinja, beside a config without one
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (d / "chat_template.jinja").write_text(TEMPLATE)
     p = Pipeline(f"file://{d.parent / 'store'}")
     served = load_model(p, d, max_context=64, max_batch=4)
     http = serve(p, served, 0)
     client = OpenAI(base_url=f"http://127.0.0.1:{http.server_address[1]}/v1", api_key="unused", max_retries=0)
     yield client, model, tok
     http.shutdown()
+
+
+def test_the_chat_template_comes_from_the_config_first_then_chat_template_jinja(tmp_path):
+    from kiln.apps.openai_api import load_chat_template
+
+    assert load_chat_template(tmp_path) == (None, "", "")
+    (tmp_path / "chat_template.jinja").write_text("jinja {{ messages }}")
+    assert load_chat_template(tmp_path) == ("jinja {{ messages }}", "", "")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "config", "bos_token": "<s>"}))
+    assert load_chat_template(tmp_path) == ("config", "<s>", "")
 
 
 def _greedy_text(model, tok, text: str, new: int) -> tuple[str, list[int]]:
@@ -50,8 +62,15 @@ def _greedy_text(model, tok, text: str, new: int) -> tuple[str, list[int]]:
 
 
 def test_models_lists_the_served_model(server):
+    import time
+    import urllib.request
+
     client, _, _ = server
-    assert [m.id for m in client.models.list()] == ["tiny-chat"]
+    (m,) = client.models.list()
+    assert m.id == "tiny-chat" and time.time() - 600 < m.created <= time.time()  # when it was served
+    health = str(client.base_url).replace("/v1/", "/health")
+    with urllib.request.urlopen(health, timeout=10) as r:
+        assert r.status == 200
 
 
 def test_completions_match_transformers_streaming_or_not(server):
@@ -68,6 +87,24 @@ def test_completions_match_transformers_streaming_or_not(server):
     seeded = [client.completions.create(model="tiny-chat", prompt="w9", max_tokens=10, temperature=1.0, seed=4)
               .choices[0].text for _ in range(2)]
     assert seeded[0] == seeded[1]
+    # token ids instead of text, alone or as a batch of one
+    for prompt in ([5, 6, 7], [[5, 6, 7]]):
+        assert client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=12,
+                                         temperature=0).choices[0].text == want
+
+
+def test_a_stream_ends_with_its_usage_when_asked(server):
+    client, model, tok = server
+    want, _ = _greedy_text(model, tok, "w5 w6 w7", 8)
+    chunks = list(client.completions.create(model="tiny-chat", prompt="w5 w6 w7", max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    *text, last = chunks
+    assert all(c.usage is None for c in text) and "".join(c.choices[0].text for c in text) == want
+    assert last.choices == [] and last.usage.prompt_tokens == 3 and last.usage.total_tokens == 3 + last.usage.completion_tokens
+    messages = [{"role": "user", "content": "w20 w21"}]
+    chunks = list(client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=4, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
 
 
 def test_a_stop_string_ends_the_text_before_it(server):
@@ -92,14 +129,34 @@ def test_chat_completions_render_the_template(server):
                                                  temperature=0, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    # content as a list of text parts, as newer clients send it
+    parts = [{"role": "system", "content": [{"type": "text", "text": "w3 w4"}]},
+             {"role": "user", "content": [{"type": "text", "text": "w20 w21 w22"}]}]
+    r = client.chat.completions.create(model="tiny-chat", messages=parts, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == want
 
 
 def test_errors_are_openai_errors(server):
     import openai
 
     client, _, _ = server
-    with pytest.raises(openai.RateLimitError, match="context of 64"):  # RESOURCE_EXHAUSTED
+    # past the context: 400, which the client does not retry (it retries a 429)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 64 tokens.*65"):
         client.completions.create(model="tiny-chat", prompt="w1 w2", max_tokens=63)
+    # what kiln does not support is refused by name, never ignored
+    with pytest.raises(openai.BadRequestError, match="tools is not supported"):
+        client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "w1"}], max_tokens=2,
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
+        client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "w1"}], max_tokens=2,
+                                       response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
+        client.completions.create(model="tiny-chat", prompt="w1", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match=r"token ids must be in \[0, 64\)"):
+        client.completions.create(model="tiny-chat", prompt=[1, 99], max_tokens=2)
+    # the value that means "off" changes nothing, so it is taken
+    assert client.completions.create(model="tiny-chat", prompt="w1", max_tokens=2, presence_penalty=0,
+                                     logprobs=None).choices[0].text is not None
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="gpt-9", prompt="w1", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
