@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -25,6 +26,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from kiln.core.errors import InvalidArgument, KilnError, ResourceExhausted
+from kiln.core import metrics
 from kiln.core.metrics import EXECUTOR_ACTIVE, EXECUTOR_BATCH, EXECUTOR_QUEUE
 from kiln.core.telemetry import child_span
 
@@ -91,6 +93,8 @@ class Sequence:
     position: int = 0          # real tokens in the cache: the next token's position
     finished: bool = False
     cancelled: bool = False
+    arrived: float = field(default_factory=time.monotonic)  # for the latency metrics
+    last_token: float = 0.0
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.sampling.seed) if self.sampling.temperature > 0 else None
@@ -120,6 +124,14 @@ class Batcher:
         self.steps = 0             # decode steps run, and
         self.batched = 0           # sequences they computed together (batched / steps: mean batch)
         self._thread: Optional[threading.Thread] = None
+        name = lm.name or "kiln"  # the metrics' model_name
+        self._waiting, self._running = metrics.REQUESTS_WAITING.labels(name), metrics.REQUESTS_RUNNING.labels(name)
+        self._ttft, self._itl = metrics.TIME_TO_FIRST_TOKEN.labels(name), metrics.INTER_TOKEN_LATENCY.labels(name)
+        self._e2e, self._queued = metrics.E2E_REQUEST_LATENCY.labels(name), metrics.REQUEST_QUEUE_TIME.labels(name)
+        self._prompt_tokens = metrics.PROMPT_TOKENS.labels(name)
+        self._generation_tokens = metrics.GENERATION_TOKENS.labels(name)
+        self._kv_usage = metrics.KV_CACHE_USAGE.labels(name)
+        self._success = lambda reason: metrics.REQUEST_SUCCESS.labels(name, reason)
 
     # ---- requests ----
 
@@ -151,6 +163,7 @@ class Batcher:
                                         "its limit; retry later")
             self.pending.append(seq)
             EXECUTOR_QUEUE.inc()
+            self._waiting.inc()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kiln-generate", daemon=True)
                 self._thread.start()
@@ -162,14 +175,19 @@ class Batcher:
         with self.cond:
             if not seq.cancelled:
                 seq.out.put(CANCELLED)
+                if not seq.finished:
+                    self._success("abort").inc()
             seq.cancelled = True
             if seq in self.pending:
                 self.pending.remove(seq)
                 EXECUTOR_QUEUE.dec()
+                self._waiting.dec()
             if seq in self.active:
                 self.active.remove(seq)
                 EXECUTOR_ACTIVE.dec()
+                self._running.dec()
             seq.cache = seq.mask = None
+            self._cache_usage()
 
     def busy(self) -> int:
         with self.cond:
@@ -187,12 +205,25 @@ class Batcher:
                 self.active.extend(arrived)
                 EXECUTOR_QUEUE.dec(len(arrived))
                 EXECUTOR_ACTIVE.inc(len(arrived))
+                self._waiting.dec(len(arrived))
+                self._running.inc(len(arrived))
+            now = time.monotonic()
+            for seq in arrived:
+                self._queued.observe(now - seq.arrived)
             for seq in arrived:
                 self._guarded([seq], self._prefill)
             with self.cond:
                 batch = [s for s in self.active if not s.cancelled]
             if batch:
                 self._guarded(batch, self._decode)
+            with self.cond:
+                self._cache_usage()
+
+    def _cache_usage(self) -> None:
+        """kiln:kv_cache_usage_perc, under self.cond: the running sequences' cached tokens over the
+        most the model's sequences may hold."""
+        held = sum(len(s.mask) for s in self.active if s.mask is not None)
+        self._kv_usage.set(held / max(1, self.max_sequences * self.lm.max_context))
 
     def _guarded(self, seqs: list[Sequence], step) -> None:
         try:
@@ -208,6 +239,7 @@ class Batcher:
             if seq in self.active:
                 self.active.remove(seq)
                 EXECUTOR_ACTIVE.dec()
+                self._running.dec()
             seq.cache = seq.mask = None
         if error is not None:
             seq.out.put(error)
@@ -223,6 +255,18 @@ class Batcher:
             reason = FINISH_LENGTH
         if seq.cancelled:
             return
+        now = time.monotonic()
+        if len(seq.generated) == 1:
+            self._ttft.observe(now - seq.arrived)
+        else:
+            self._itl.observe(now - seq.last_token)
+        seq.last_token = now
+        self._generation_tokens.inc()
+        if reason:
+            self._e2e.observe(now - seq.arrived)
+            self._success(reason).inc()
+            with self.cond:
+                seq.finished = True  # before its client can see the last token (and close: no abort)
         seq.out.put((token, len(seq.generated) - 1, reason))
         if reason:
             self._finish(seq)
@@ -237,6 +281,7 @@ class Batcher:
         pos = np.arange(n, dtype=np.int64)[None]
         with child_span("executor.prefill", **{"kiln.prompt_tokens": n}):
             outs = self.run(self.prefill, [("", ids), ("", pos), ("", mask)])
+        self._prompt_tokens.inc(n)
         logits, cache = outs[0][1], [a for _, a in outs[1:]]
         seq.cache, seq.mask, seq.position = cache, mask[0], n
         self._emit(seq, choose_token(logits[0, -1], seq.sampling, seq.rng))

@@ -16,12 +16,14 @@ Errors come back as OpenAI's error object: 400 for a bad request (a prompt and m
 the model's context among them: a client retries a 429), and for any field kiln does not
 support (tools, response_format, logprobs, ...: named, never ignored); 404 for an unknown model
 or path; 429 past a limit (the executor's RESOURCE_EXHAUSTED). `/health` answers 200 once the
-model is served.
+model is served, and `/metrics` has this process's metrics (generation's under vLLM's names:
+kiln.core.metrics).
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -135,7 +137,9 @@ class Completion:
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens", DEFAULT_MAX_TOKENS))
         temperature = body.get("temperature", 1.0)
         top_p = body.get("top_p", 1.0)
-        seed = body.get("seed", 0)
+        # no seed: a new one per request, so sampled requests differ as OpenAI's do (a seed repeats one)
+        seed = body.get("seed")
+        seed = secrets.randbelow(1 << 31) if seed is None else seed
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         if body.get("n", 1) != 1:
@@ -226,6 +230,16 @@ def make_handler(pipeline, model: Model):
                      "max_model_len": model.max_context or None}]})
             if self.path.rstrip("/") == "/health":  # serving: the model is compiled and loaded
                 return self._json(200, {"status": "ok"})
+            if self.path.rstrip("/") == "/metrics":  # this process's (kiln.core.metrics), as vLLM's server has them
+                from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+                data = generate_latest()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             self._error(404, "not_found_error", f"no route {self.path}")
 
         def do_POST(self):

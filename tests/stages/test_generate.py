@@ -213,6 +213,43 @@ def test_a_closed_stream_frees_its_sequence_at_once(llama):
     assert batcher.busy() == 0
 
 
+def test_generation_metrics_carry_vllms_names(llama):
+    """kiln:-prefixed metrics under vLLM's names, labelled with the model's name: per request its
+    queue time, first-token and end-to-end latency, the gaps between its tokens, its prompt and
+    generated tokens and its finish reason (abort: its client left); requests running and
+    waiting, and the KV cache's use while a sequence runs."""
+    from kiln.v1 import services_pb2
+
+    p, model, lm = llama
+    name = p.store.get_message(lm, services_pb2.CausalLM).name
+
+    def value(metric: str, **labels) -> float:
+        return REGISTRY.get_sample_value(metric, {"model_name": name, **labels}) or 0.0
+
+    counted = ("kiln:prompt_tokens_total", "kiln:generation_tokens_total", "kiln:time_to_first_token_seconds_count",
+               "kiln:inter_token_latency_seconds_count", "kiln:e2e_request_latency_seconds_count",
+               "kiln:request_queue_time_seconds_count")
+    before = {m: value(m) for m in counted}
+    finished = {r: value("kiln:request_success_total", finished_reason=r) for r in ("length", "abort")}
+    for prompt in (_prompt(5, 7), _prompt(3, 8)):
+        assert len(list(p.generate(lm, prompt, 6, ignore_eos=True))) == 6
+    grew = {m: value(m) - before[m] for m in counted}
+    assert grew == {"kiln:prompt_tokens_total": 8, "kiln:generation_tokens_total": 12,
+                    "kiln:time_to_first_token_seconds_count": 2, "kiln:inter_token_latency_seconds_count": 10,
+                    "kiln:e2e_request_latency_seconds_count": 2, "kiln:request_queue_time_seconds_count": 2}
+    assert value("kiln:request_success_total", finished_reason="length") - finished["length"] == 2
+    assert value("kiln:e2e_request_latency_seconds_sum") >= value("kiln:time_to_first_token_seconds_sum") > 0
+    assert value("kiln:num_requests_running") == value("kiln:num_requests_waiting") == 0
+    stream = p.generate(lm, _prompt(8, 30), 100, ignore_eos=True)
+    [next(stream) for _ in range(3)]
+    assert value("kiln:num_requests_running") == 1
+    # a decode step has run: the sequence's cached tokens, over the 4 x 128 the model's sequences may hold
+    assert value("kiln:kv_cache_usage_perc") > 0
+    stream.close()
+    assert value("kiln:request_success_total", finished_reason="abort") - finished["abort"] == 1
+    assert value("kiln:num_requests_running") == 0 and value("kiln:kv_cache_usage_perc") == 0
+
+
 def test_generate_over_grpc_streams_and_cancels(llama, executor_server):
     """Executor.Generate over gRPC streams the same tokens as in process; a client that cancels
     frees its slot on the server; a limit is RESOURCE_EXHAUSTED, an unknown model NOT_FOUND."""

@@ -71,6 +71,10 @@ def test_models_lists_the_served_model(server):
     health = str(client.base_url).replace("/v1/", "/health")
     with urllib.request.urlopen(health, timeout=10) as r:
         assert r.status == 200
+    client.completions.create(model="tiny-chat", prompt="w1", max_tokens=2)
+    with urllib.request.urlopen(str(client.base_url).replace("/v1/", "/metrics"), timeout=10) as r:
+        text = r.read().decode()  # the generation metrics under vLLM's names, for the served model
+    assert 'kiln:time_to_first_token_seconds_count{model_name="' in text and "kiln:num_requests_running" in text
 
 
 def test_completions_match_transformers_streaming_or_not(server):
@@ -87,6 +91,9 @@ def test_completions_match_transformers_streaming_or_not(server):
     seeded = [client.completions.create(model="tiny-chat", prompt="w9", max_tokens=10, temperature=1.0, seed=4)
               .choices[0].text for _ in range(2)]
     assert seeded[0] == seeded[1]
+    unseeded = {client.completions.create(model="tiny-chat", prompt="w9", max_tokens=10, temperature=1.0)
+                .choices[0].text for _ in range(3)}
+    assert len(unseeded) > 1  # without a seed each request draws its own, as OpenAI's do
     # token ids instead of text, alone or as a batch of one
     for prompt in ([5, 6, 7], [[5, 6, 7]]):
         assert client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=12,
