@@ -33,6 +33,7 @@ from kiln.core.telemetry import child_span
 MIN_PAST = 2  # kiln/llm.py: the decode program's cache holds at least two slots
 FINISH_LENGTH, FINISH_EOS, FINISH_STOP = "length", "eos", "stop"
 CANCELLED = object()  # ends a cancelled sequence's stream
+MAX_LOGPROBS = 20      # most likely tokens reported per token, at most (OpenAI's top_logprobs bound)
 
 
 def max_sequences_setting(default: int) -> int:
@@ -50,14 +51,27 @@ class Sampling:
     top_k: int = 0
     top_p: float = 0.0
     seed: int = 0
+    logprobs: int = -1  # >= 0: each token's log-probability, and this many of the most likely tokens'
 
     def check(self, vocab: int) -> None:
+        if not -1 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}] (or off), got {self.logprobs}")
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
             raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in [0, 1], got {self.top_p}")
+
+
+def token_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The token's log-probability under the model (the log-softmax of its logits, before any
+    temperature or cut: what OpenAI's and vLLM's logprobs report) and the k most likely tokens'."""
+    z = logits.astype(np.float64)
+    z = z - z.max()
+    lp = z - np.log(np.exp(z).sum())
+    top = np.argsort(-lp, kind="stable")[:k]
+    return float(lp[token]), tuple((int(t), float(lp[t])) for t in top)
 
 
 def choose_token(logits: np.ndarray, s: Sampling, rng: Optional[np.random.Generator]) -> int:
@@ -99,9 +113,11 @@ class Sequence:
     def __post_init__(self):
         self.rng = np.random.default_rng(self.sampling.seed) if self.sampling.temperature > 0 else None
 
-    def stream(self) -> Iterator[tuple[int, int, str]]:
-        """(token, index, finish reason or "") as they are made; raises what the model raised;
-        ends when the sequence is cancelled (so a server thread reading it is let go)."""
+    def stream(self) -> Iterator[tuple[int, int, str, Optional[float], tuple]]:
+        """(token, index, finish reason or "", its log-probability, the most likely tokens'
+        ((token, log-probability), ...); None and () unless Sampling.logprobs asks) as they are
+        made; raises what the model raised; ends when the sequence is cancelled (so a server
+        thread reading it is let go)."""
         while True:
             item = self.out.get()
             if item is CANCELLED:
@@ -244,7 +260,10 @@ class Batcher:
         if error is not None:
             seq.out.put(error)
 
-    def _emit(self, seq: Sequence, token: int) -> None:
+    def _emit(self, seq: Sequence, logits: np.ndarray) -> None:
+        token = choose_token(logits, seq.sampling, seq.rng)
+        logprob, top = (token_logprobs(logits, token, seq.sampling.logprobs) if seq.sampling.logprobs >= 0
+                        else (None, ()))
         seq.generated.append(token)
         reason = ""
         if token in seq.eos:
@@ -267,7 +286,7 @@ class Batcher:
             self._success(reason).inc()
             with self.cond:
                 seq.finished = True  # before its client can see the last token (and close: no abort)
-        seq.out.put((token, len(seq.generated) - 1, reason))
+        seq.out.put((token, len(seq.generated) - 1, reason, logprob, top))
         if reason:
             self._finish(seq)
 
@@ -284,7 +303,7 @@ class Batcher:
         self._prompt_tokens.inc(n)
         logits, cache = outs[0][1], [a for _, a in outs[1:]]
         seq.cache, seq.mask, seq.position = cache, mask[0], n
-        self._emit(seq, choose_token(logits[0, -1], seq.sampling, seq.rng))
+        self._emit(seq, logits[0, -1])
 
     def _decode(self, seqs: list[Sequence]) -> None:
         with self.cond:
@@ -320,4 +339,4 @@ class Batcher:
                 s.cache = [np.ascontiguousarray(g[i:i + 1, :, -keep:]) for g in grown]
                 s.mask = np.append(s.mask, 1)
                 s.position += 1
-            self._emit(s, choose_token(logits[i, -1], s.sampling, s.rng))
+            self._emit(s, logits[i, -1])

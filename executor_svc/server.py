@@ -56,12 +56,18 @@ class ExecutorServicer(services_pb2_grpc.ExecutorServicer):
     @rpc_stream
     def Generate(self, request, context):
         batcher = self.executor.batcher(Digest.from_pb(request.model))
-        seq = batcher.submit(list(request.prompt_ids), request.max_new_tokens, Sampling(request.temperature, request.top_k, request.top_p, request.seed),
+        sampling = Sampling(request.temperature, request.top_k, request.top_p, request.seed,
+                            request.logprobs if request.HasField("logprobs") else -1)
+        seq = batcher.submit(list(request.prompt_ids), request.max_new_tokens, sampling,
                              tuple(tuple(s.ids) for s in request.stop_sequences), request.ignore_eos)
         # a client that cancels or disconnects frees the sequence at once
         context.add_callback(lambda: batcher.cancel(seq))
         try:
-            for token, index, reason in seq.stream():
-                yield services_pb2.GenerateResponse(token_id=token, index=index, finish_reason=reason)
+            for token, index, reason, logprob, top in seq.stream():
+                r = services_pb2.GenerateResponse(token_id=token, index=index, finish_reason=reason, top_logprobs=[
+                    services_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in top])
+                if logprob is not None:
+                    r.logprob = logprob
+                yield r
         finally:
             batcher.cancel(seq)

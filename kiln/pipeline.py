@@ -142,13 +142,16 @@ class Pipeline:
 
     def generate(self, model: Digest, prompt_ids: Sequence[int], max_new_tokens: int = 0, *,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0, seed: int = 0,
-                 stop_sequences: Sequence[Sequence[int]] = (), ignore_eos: bool = False):
+                 stop_sequences: Sequence[Sequence[int]] = (), ignore_eos: bool = False, logprobs: int = -1):
         """New tokens of the CausalLM `model` (kiln.llm.compile_causal_lm) for the prompt, as
         they are made: an iterator of (token id, finish reason: "" until the last one, then
-        "length", "eos" or "stop"). Errors (a limit: ResourceExhausted) are raised when iteration
-        starts, in both modes; closing the iterator early frees the sequence."""
+        "length", "eos" or "stop") pairs (kiln.stages.Token); with `logprobs` >= 0 each also has
+        its log-probability (.logprob) and that many of the most likely tokens' (.top). Errors
+        (a limit: ResourceExhausted) are raised when iteration starts, in both modes; closing the
+        iterator early frees the sequence."""
         return self._stages["executor"].generate(model, prompt_ids, max_new_tokens,
-                                                 Sampling(temperature, top_k, top_p, seed), stop_sequences, ignore_eos)
+                                                 Sampling(temperature, top_k, top_p, seed, logprobs), stop_sequences,
+                                                 ignore_eos)
 
     def calibrate(self, target: str = "cpu", force: bool = False) -> tuple[Digest, services_pb2.TargetProfile]:
         """The target's measured cost-model constants (measured once per target fingerprint)."""

@@ -11,6 +11,7 @@ what the store holds. Both raise the same KilnError types.
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
@@ -30,7 +31,16 @@ STAGES = ("importer", "optimizer", "codegen", "executor")
 # (bundle, median s, min s, relative to each round's fastest, share of the CPUs others took)
 Timing = tuple[Digest, float, float, float, float]
 # (token id, finish reason: "" until the last token, then "length", "eos" or "stop")
-Token = tuple[int, str]
+class Token(tuple):
+    """A new token: the pair (token id, finish reason: "" until the last one, then "length", "eos"
+    or "stop"), with `logprob`, its log-probability under the model, and `top`, the most likely
+    tokens' ((id, log-probability), ...), where the request asked (Sampling.logprobs); else None
+    and ()."""
+
+    def __new__(cls, token: int, reason: str, logprob: Optional[float] = None, top=()):
+        t = super().__new__(cls, (token, reason))
+        t.logprob, t.top = logprob, tuple(top)
+        return t
 
 
 class Stages(Protocol):
@@ -106,8 +116,8 @@ class LocalStages:
         seq = batcher.submit(list(prompt_ids), max_new_tokens, sampling, tuple(tuple(s) for s in stop_sequences),
                              ignore_eos)
         try:
-            for token, _, reason in seq.stream():
-                yield token, reason
+            for token, _, reason, logprob, top in seq.stream():
+                yield Token(token, reason, logprob, top)
         finally:
             batcher.cancel(seq)
 
@@ -203,7 +213,8 @@ class RemoteStages:
         req = services_pb2.GenerateRequest(
             model=model.to_pb(), prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
-            ignore_eos=ignore_eos, stop_sequences=[services_pb2.TokenIds(ids=list(s)) for s in stop_sequences])
+            ignore_eos=ignore_eos, stop_sequences=[services_pb2.TokenIds(ids=list(s)) for s in stop_sequences],
+            logprobs=sampling.logprobs if sampling.logprobs >= 0 else None)
         return _stream(self._stub("executor").Generate, req, self.timeout)
 
     def calibrate(self, target, force):
@@ -242,9 +253,9 @@ def _stream(method, request, timeout: Optional[float]):
     try:
         if head is None:
             return
-        yield head.token_id, head.finish_reason
-        for r in it:
-            yield r.token_id, r.finish_reason
+        for r in itertools.chain((head,), it):
+            yield Token(r.token_id, r.finish_reason, r.logprob if r.HasField("logprob") else None,
+                        [(t.token_id, t.logprob) for t in r.top_logprobs])
     except grpc.RpcError as e:
         raise kiln_error(e) from None
     finally:  # a caller that stops early frees the sequence on the executor: the call is cancelled

@@ -213,6 +213,29 @@ def test_a_closed_stream_frees_its_sequence_at_once(llama):
     assert batcher.busy() == 0
 
 
+def test_logprobs_are_the_models_log_softmax(llama):
+    """With logprobs k, each token comes with its log-probability under the model (the log-softmax
+    of transformers' logits at that step, before temperature) and the k most likely tokens'."""
+    p, model, lm = llama
+    prompt = _prompt(6, 12)
+    got = list(p.generate(lm, prompt, 8, logprobs=3, ignore_eos=True))
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    assert [t for t, _ in got] == out.sequences[0, len(prompt):].tolist()
+    for t, logits in zip(got, out.logits):
+        want = torch.log_softmax(logits[0].double(), -1)
+        top = torch.topk(want, 3)
+        assert t.logprob == pytest.approx(float(want[t[0]]), abs=1e-4)
+        assert [i for i, _ in t.top] == top.indices.tolist() and t.top[0][0] == t[0]  # greedy: the most likely
+        assert [lp for _, lp in t.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    sampled = list(p.generate(lm, prompt, 8, temperature=1.5, seed=3, logprobs=0))
+    assert all(t.top == () and t.logprob <= 0 for t in sampled)
+    with pytest.raises(errors.InvalidArgument, match="logprobs"):
+        list(p.generate(lm, prompt, 2, logprobs=21))
+
+
 def test_generation_metrics_carry_vllms_names(llama):
     """kiln:-prefixed metrics under vLLM's names, labelled with the model's name: per request its
     queue time, first-token and end-to-end latency, the gaps between its tokens, its prompt and
@@ -262,6 +285,10 @@ def test_generate_over_grpc_streams_and_cancels(llama, executor_server):
     remote = Pipeline(p.store, {"executor": address})
     prompt = _prompt(7, 40)
     assert list(remote.generate(lm, prompt, 20)) == list(p.generate(lm, prompt, 20))
+    # log-probabilities come over the wire as they are made here
+    there, here = list(remote.generate(lm, prompt, 5, logprobs=2)), list(p.generate(lm, prompt, 5, logprobs=2))
+    assert [(t.logprob, t.top) for t in there] == [(t.logprob, t.top) for t in here] and len(there[0].top) == 2
+    assert all(t.logprob is None and t.top == () for t in remote.generate(lm, prompt, 3))
     stub = services_pb2_grpc.ExecutorStub(grpc.insecure_channel(address))
     call = stub.Generate(services_pb2.GenerateRequest(model=lm.to_pb(), prompt_ids=prompt, max_new_tokens=100))
     assert next(call).index == 0
