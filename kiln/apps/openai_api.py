@@ -11,10 +11,11 @@ OpenAI's semantics: `max_tokens` (default 16), `temperature` (default 1; 0 is gr
 `top_p`, `seed`, `stop` (strings: the text ends before the first one, finish "stop"); an
 end-of-sequence token finishes with "stop", the token limit with "length". A prompt is text or
 token ids; a chat message's content is text or a list of text parts. `stream_options`'
-`include_usage` adds the usage chunk at the end of a stream. One choice per request (n=1).
-Errors come back as OpenAI's error object: 400 for a bad request (a prompt and max_tokens past
-the model's context among them: a client retries a 429), and for any field kiln does not
-support (tools, response_format, logprobs, ...: named, never ignored); 404 for an unknown model
+`include_usage` adds the usage chunk at the end of a stream. `logprobs` (a completion: 0..20; a
+chat: true, with `top_logprobs` 0..20) reports each token's log-probability under the model.
+One choice per request (n=1). Errors come back as OpenAI's error object: 400 for a bad request
+(a prompt and max_tokens past the model's context among them: a client retries a 429), and for any field kiln does not
+support (tools, response_format, penalties, ...: named, never ignored); 404 for an unknown model
 or path; 429 past a limit (the executor's RESOURCE_EXHAUSTED). `/health` answers 200 once the
 model is served, and `/metrics` has this process's metrics (generation's under vLLM's names:
 kiln.core.metrics).
@@ -39,11 +40,13 @@ MAX_BODY_BYTES = 1 << 20
 
 # the request fields kiln acts on, per route; any other field is refused by name (a field left
 # at the value that means "off", such as presence_penalty 0 or logprobs false, changes nothing)
-SUPPORTED = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user"}
+SUPPORTED = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user",
+             "logprobs"}
 FIELDS = {"/v1/completions": SUPPORTED | {"prompt"},
-          "/v1/chat/completions": SUPPORTED | {"messages", "max_completion_tokens"}}
-OFF = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (None, False, 0),
-       "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1), "logit_bias": (None, {}),
+          "/v1/chat/completions": SUPPORTED | {"messages", "max_completion_tokens", "top_logprobs"}}
+MAX_LOGPROBS = 20  # the most likely tokens reported per token, at most (OpenAI's bound; the executor's)
+OFF = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+       "echo": (None, False), "best_of": (None, 1), "logit_bias": (None, {}),
        "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
        "parallel_tool_calls": (None,), "functions": (None, []), "function_call": (None, "none")}
 
@@ -85,6 +88,25 @@ def load_chat_template(path: str | Path) -> tuple[Optional[str], str, str]:
         except (OSError, UnicodeDecodeError) as e:
             raise errors.InvalidArgument(f"{jinja}: not a readable template: {e}") from e
     return template, token(cfg.get("bos_token")), token(cfg.get("eos_token"))
+
+
+def _logprobs_asked(body: dict, chat: bool) -> int:
+    """How many of the most likely tokens to report per token (-1: no logprobs). A chat asks with
+    logprobs (true) and top_logprobs (0..20); a completion with logprobs (0..20)."""
+    def count(name, v) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS:
+            raise errors.InvalidArgument(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        return v
+
+    if chat:
+        asked, top = body.get("logprobs"), body.get("top_logprobs")
+        if asked not in (None, True, False):
+            raise errors.InvalidArgument(f"logprobs must be true or false, got {asked!r}")
+        if top is not None and not asked:
+            raise errors.InvalidArgument("top_logprobs needs logprobs: true")
+        return count("top_logprobs", top or 0) if asked else -1
+    asked = body.get("logprobs")
+    return -1 if asked is None else count("logprobs", asked)
 
 
 def check_fields(route: str, body: dict) -> None:
@@ -132,8 +154,8 @@ def render_chat(model: Model, messages: list) -> str:
 class Completion:
     """Text as it is made, with OpenAI's stop strings: chunks of new text, then the finish reason."""
 
-    def __init__(self, pipeline, model: Model, prompt_ids: list[int], body: dict):
-        self.model, self.prompt_tokens = model, len(prompt_ids)
+    def __init__(self, pipeline, model: Model, prompt_ids: list[int], body: dict, chat: bool):
+        self.model, self.prompt_tokens, self.chat = model, len(prompt_ids), chat
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens", DEFAULT_MAX_TOKENS))
         temperature = body.get("temperature", 1.0)
         top_p = body.get("top_p", 1.0)
@@ -144,6 +166,7 @@ class Completion:
         stop = [stop] if isinstance(stop, str) else stop
         if body.get("n", 1) != 1:
             raise errors.InvalidArgument("n must be 1: kiln returns one choice per request")
+        self.logprobs = _logprobs_asked(body, chat)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise errors.InvalidArgument(f"max_tokens must be a positive integer, got {max_tokens!r}")
         for name, v in (("temperature", temperature), ("top_p", top_p)):
@@ -161,13 +184,17 @@ class Completion:
                 "shorten the prompt or lower max_tokens")
         self.stop = stop
         self.tokens = pipeline.generate(model.digest, prompt_ids, max_tokens, temperature=float(temperature),
-                                        top_p=float(top_p) if top_p < 1 else 0.0, seed=seed)
+                                        top_p=float(top_p) if top_p < 1 else 0.0, seed=seed, logprobs=self.logprobs)
         self.completion_tokens = 0
         self.finish_reason = None
+        self._reported: list[int] = []  # tokens whose logprobs were reported (their text offsets)
         self.started = next(self.tokens, None)  # the request's errors (a limit) before any response
 
-    def chunks(self) -> Iterator[str]:
-        made, shown = [], ""
+    def chunks(self) -> Iterator[tuple[str, list]]:
+        """(new text, the tokens that made it) as it is made. A token's text may be held back a
+        while (it may become a stop string); its token comes with the text it ends up in. The
+        end-of-sequence token is not text; the tokens of a stop string come with the text before it."""
+        made, shown, held = [], "", []
         item = self.started
         try:
             while item is not None:
@@ -175,25 +202,50 @@ class Completion:
                 self.completion_tokens += 1
                 if reason != "eos":  # the end-of-sequence token is not text
                     made.append(token)
+                    held.append(item)
                 text = self.model.tokenizer.decode(made)
                 cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
                 if cut >= 0:
-                    if cut > len(shown):
-                        yield text[len(shown):cut]
+                    if cut > len(shown) or held:
+                        yield text[len(shown):max(cut, len(shown))], held
                     self.finish_reason = "stop"
                     return
                 if reason:  # hold back text that may still become a stop string
                     self.finish_reason = "length" if reason == "length" else "stop"
-                    if len(text) > len(shown):
-                        yield text[len(shown):]
+                    if len(text) > len(shown) or held:
+                        yield text[len(shown):], held
                     return
                 safe = len(text) - max((len(s) - 1 for s in self.stop), default=0)
                 if safe > len(shown):
-                    yield text[len(shown):safe]
-                    shown = text[:safe]
+                    yield text[len(shown):safe], held
+                    shown, held = text[:safe], []
                 item = next(self.tokens, None)
         finally:
             self.tokens.close()  # a stop string or a client gone: the sequence is freed
+
+    def logprobs_json(self, tokens: list) -> Optional[dict]:
+        """OpenAI's logprobs object for these tokens, the next ones after those reported before
+        (None when not asked): a chat's `content` list, or a completion's parallel lists."""
+        if self.logprobs < 0:
+            return None
+        decode = self.model.tokenizer.decode
+        if self.chat:
+            def entry(t, lp):
+                text = decode([t])
+                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+            return {"content": [dict(entry(t[0], t.logprob), top_logprobs=[entry(i, lp) for i, lp in t.top])
+                                for t in tokens]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t in tokens:
+            text = decode([t[0]])
+            self._reported.append(t[0])
+            out["tokens"].append(text)
+            out["token_logprobs"].append(t.logprob)
+            out["top_logprobs"].append({decode([i]): lp for i, lp in t.top})
+            # where the token's text starts in the completion (a decoder may put a space before it)
+            out["text_offset"].append(len(decode(self._reported)) - len(text))
+        return out
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -271,7 +323,7 @@ def make_handler(pipeline, model: Model):
                     ids = model.tokenizer.encode(render_chat(model, body.get("messages")), add_special_tokens=False).ids
                 else:
                     ids = prompt_ids(model, body.get("prompt"))
-                completion = Completion(pipeline, model, ids, body)
+                completion = Completion(pipeline, model, ids, body, chat)
             except errors.KilnError as e:
                 status, kind = _STATUS.get(e.code, (500, "server_error"))
                 return self._error(status, kind, str(e))
@@ -280,10 +332,13 @@ def make_handler(pipeline, model: Model):
                 if body.get("stream"):
                     self._stream(completion, rid, chat, bool((body.get("stream_options") or {}).get("include_usage")))
                 else:
-                    text = "".join(completion.chunks())
-                    choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                    pieces = list(completion.chunks())
+                    text = "".join(piece for piece, _ in pieces)
+                    logprobs = completion.logprobs_json([t for _, tokens in pieces for t in tokens])
+                    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                                "finish_reason": completion.finish_reason} if chat else
-                              {"index": 0, "text": text, "logprobs": None, "finish_reason": completion.finish_reason})
+                              {"index": 0, "text": text, "logprobs": logprobs,
+                               "finish_reason": completion.finish_reason})
                     self._json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
                                      "created": int(time.time()), "model": model.name, "choices": [choice],
                                      "usage": completion.usage()})
@@ -301,13 +356,14 @@ def make_handler(pipeline, model: Model):
             self.close_connection = True
             created = int(time.time())
 
-            def event(delta: Optional[dict], text: Optional[str], finish, last: bool = False) -> None:
+            def event(delta: Optional[dict], text: Optional[str], finish, last: bool = False,
+                      logprobs: Optional[dict] = None) -> None:
                 if chat:
-                    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                     obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model.name,
                            "choices": [choice]}
                 else:
-                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
                     obj = {"id": rid, "object": "text_completion", "created": created, "model": model.name,
                            "choices": [choice]}
                 if usage:  # every chunk says it has none; the last one, with no choices, has it
@@ -320,8 +376,8 @@ def make_handler(pipeline, model: Model):
             try:
                 if chat:
                     event({"role": "assistant", "content": ""}, None, None)
-                for piece in completion.chunks():
-                    event({"content": piece}, piece, None)
+                for piece, tokens in completion.chunks():
+                    event({"content": piece}, piece, None, logprobs=completion.logprobs_json(tokens))
                 event({}, "", completion.finish_reason)
                 if usage:
                     event(None, None, None, last=True)

@@ -100,6 +100,37 @@ def test_completions_match_transformers_streaming_or_not(server):
                                          temperature=0).choices[0].text == want
 
 
+def test_logprobs_are_the_models_for_completions_and_chats(server):
+    """logprobs: each token's log-probability under the model (transformers' log-softmax at that
+    step) and the most likely tokens', in OpenAI's completion and chat formats, streamed or not."""
+    client, model, tok = server
+    ids = torch.tensor([tok.encode("w5 w6 w7").ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    new = out.sequences[0, 3:].tolist()
+    n = new.index(63) if 63 in new else len(new)  # the end-of-sequence token is not text
+    want = [float(torch.log_softmax(lg[0].double(), -1)[t]) for lg, t in zip(out.logits, new)][:n]
+    r = client.completions.create(model="tiny-chat", prompt="w5 w6 w7", max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t]) for t in new[:n]] and lp.token_logprobs == pytest.approx(want, abs=1e-4)
+    assert all(len(top) == 2 and max(top.values()) == pytest.approx(v, abs=1e-4)  # greedy: the most likely
+               for top, v in zip(lp.top_logprobs, want))
+    assert [r.choices[0].text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens)] == [True] * n
+    chunks = list(client.completions.create(model="tiny-chat", prompt="w5 w6 w7", max_tokens=6, temperature=0,
+                                            logprobs=2, stream=True))
+    assert [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == \
+        pytest.approx(want, abs=1e-4)
+    messages = [{"role": "user", "content": "w20 w21"}]
+    c = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = c.choices[0].logprobs.content
+    assert content and all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+                           and e.bytes == list(e.token.encode()) for e in content)
+    assert client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=4,
+                                          temperature=0).choices[0].logprobs is None
+
+
 def test_a_stream_ends_with_its_usage_when_asked(server):
     client, model, tok = server
     want, _ = _greedy_text(model, tok, "w5 w6 w7", 8)
@@ -157,8 +188,11 @@ def test_errors_are_openai_errors(server):
     with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
         client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "w1"}], max_tokens=2,
                                        response_format={"type": "json_object"})
-    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
-        client.completions.create(model="tiny-chat", prompt="w1", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs must be an integer"):
+        client.completions.create(model="tiny-chat", prompt="w1", max_tokens=2, logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "w1"}], max_tokens=2,
+                                       top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match=r"token ids must be in \[0, 64\)"):
         client.completions.create(model="tiny-chat", prompt=[1, 99], max_tokens=2)
     # the value that means "off" changes nothing, so it is taken
