@@ -13,7 +13,7 @@ end-of-sequence token finishes with "stop", the token limit with "length". A pro
 token ids; a chat message's content is text or a list of text parts. `stream_options`'
 `include_usage` adds the usage chunk at the end of a stream. `logprobs` (a completion: 0..20; a
 chat: true, with `top_logprobs` 0..20) reports each token's log-probability under the model.
-One choice per request (n=1). Errors come back as OpenAI's error object: 400 for a bad request
+`n` choices (up to 16) are `n` sequences, each drawing with its own seed. Errors come back as OpenAI's error object: 400 for a bad request
 (a prompt and max_tokens past the model's context among them: a client retries a 429), and for any field kiln does not
 support (tools, response_format, penalties, ...: named, never ignored); 404 for an unknown model
 or path; 429 past a limit (the executor's RESOURCE_EXHAUSTED). `/health` answers 200 once the
@@ -45,6 +45,7 @@ SUPPORTED = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "str
 FIELDS = {"/v1/completions": SUPPORTED | {"prompt"},
           "/v1/chat/completions": SUPPORTED | {"messages", "max_completion_tokens", "top_logprobs"}}
 MAX_LOGPROBS = 20  # the most likely tokens reported per token, at most (OpenAI's bound; the executor's)
+MAX_CHOICES = 16   # choices per request (n), each a sequence of its own on the executor
 OFF = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
        "echo": (None, False), "best_of": (None, 1), "logit_bias": (None, {}),
        "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
@@ -88,6 +89,64 @@ def load_chat_template(path: str | Path) -> tuple[Optional[str], str, str]:
         except (OSError, UnicodeDecodeError) as e:
             raise errors.InvalidArgument(f"{jinja}: not a readable template: {e}") from e
     return template, token(cfg.get("bos_token")), token(cfg.get("eos_token"))
+
+
+def choice_seeds(body: dict) -> list[int]:
+    """One sampling seed per choice (n): the request's seed and the ones after it, so each choice
+    draws its own and a seeded request repeats; without a seed a new one per request, so sampled
+    requests differ as OpenAI's do. (Greedy choices are all the same.)"""
+    n, seed = body.get("n", 1), body.get("seed")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise errors.InvalidArgument(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
+    if seed is None:
+        seed = secrets.randbelow(1 << 31)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise errors.InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
+    return [seed + i for i in range(n)]
+
+
+def merged(completions: list) -> Iterator[tuple[int, Optional[str], list]]:
+    """The choices' (index, new text, its tokens) as each is made, and (index, None, []) when one
+    is done. One choice is read here; several by a thread each. Closing this ends them all: each
+    choice's sequence is freed at its next token."""
+    if len(completions) == 1:
+        chunks = completions[0].chunks()
+        try:
+            for piece, tokens in chunks:
+                yield 0, piece, tokens
+        finally:
+            chunks.close()
+        yield 0, None, []
+        return
+    import queue
+    import threading
+
+    made: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def pump(i: int, c) -> None:
+        try:
+            for piece, tokens in c.chunks():  # leaving the loop closes the choice's token stream
+                if stop.is_set():
+                    return
+                made.put((i, piece, tokens))
+            made.put((i, None, []))
+        except BaseException as e:  # noqa: BLE001 - handed to the reader, which raises it
+            made.put((i, e, []))
+
+    for i, c in enumerate(completions):
+        threading.Thread(target=pump, args=(i, c), name=f"kiln-choice-{i}", daemon=True).start()
+    try:
+        for _ in range(len(completions)):
+            while True:
+                i, piece, tokens = made.get()
+                if isinstance(piece, BaseException):
+                    raise piece
+                yield i, piece, tokens
+                if piece is None:
+                    break
+    finally:
+        stop.set()
 
 
 def _logprobs_asked(body: dict, chat: bool) -> int:
@@ -154,26 +213,19 @@ def render_chat(model: Model, messages: list) -> str:
 class Completion:
     """Text as it is made, with OpenAI's stop strings: chunks of new text, then the finish reason."""
 
-    def __init__(self, pipeline, model: Model, prompt_ids: list[int], body: dict, chat: bool):
+    def __init__(self, pipeline, model: Model, prompt_ids: list[int], body: dict, chat: bool, seed: int):
         self.model, self.prompt_tokens, self.chat = model, len(prompt_ids), chat
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens", DEFAULT_MAX_TOKENS))
         temperature = body.get("temperature", 1.0)
         top_p = body.get("top_p", 1.0)
-        # no seed: a new one per request, so sampled requests differ as OpenAI's do (a seed repeats one)
-        seed = body.get("seed")
-        seed = secrets.randbelow(1 << 31) if seed is None else seed
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
-        if body.get("n", 1) != 1:
-            raise errors.InvalidArgument("n must be 1: kiln returns one choice per request")
         self.logprobs = _logprobs_asked(body, chat)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise errors.InvalidArgument(f"max_tokens must be a positive integer, got {max_tokens!r}")
         for name, v in (("temperature", temperature), ("top_p", top_p)):
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise errors.InvalidArgument(f"{name} must be a number, got {v!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise errors.InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
             raise errors.InvalidArgument("stop must be a string or a list of up to 4 non-empty strings")
         if model.max_context and len(prompt_ids) + max_tokens > model.max_context:
@@ -247,9 +299,12 @@ class Completion:
             out["text_offset"].append(len(decode(self._reported)) - len(text))
         return out
 
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def usage_of(completions: list) -> dict:
+    """A request's usage: its prompt once, every choice's tokens."""
+    prompt, made = completions[0].prompt_tokens, sum(c.completion_tokens for c in completions)
+    return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
 
 
 _STATUS = {"INVALID_ARGUMENT": (400, "invalid_request_error"), "NOT_FOUND": (404, "not_found_error"),
@@ -323,31 +378,42 @@ def make_handler(pipeline, model: Model):
                     ids = model.tokenizer.encode(render_chat(model, body.get("messages")), add_special_tokens=False).ids
                 else:
                     ids = prompt_ids(model, body.get("prompt"))
-                completion = Completion(pipeline, model, ids, body, chat)
+                completions = []
+                try:
+                    for seed in choice_seeds(body):
+                        completions.append(Completion(pipeline, model, ids, body, chat, seed))
+                except errors.KilnError:
+                    for c in completions:  # the choices started already are freed
+                        c.tokens.close()
+                    raise
             except errors.KilnError as e:
                 status, kind = _STATUS.get(e.code, (500, "server_error"))
                 return self._error(status, kind, str(e))
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             try:
                 if body.get("stream"):
-                    self._stream(completion, rid, chat, bool((body.get("stream_options") or {}).get("include_usage")))
+                    self._stream(completions, rid, chat, bool((body.get("stream_options") or {}).get("include_usage")))
                 else:
-                    pieces = list(completion.chunks())
-                    text = "".join(piece for piece, _ in pieces)
-                    logprobs = completion.logprobs_json([t for _, tokens in pieces for t in tokens])
-                    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                               "finish_reason": completion.finish_reason} if chat else
-                              {"index": 0, "text": text, "logprobs": logprobs,
-                               "finish_reason": completion.finish_reason})
+                    texts, tokens = [""] * len(completions), [[] for _ in completions]
+                    for i, piece, made in merged(completions):
+                        texts[i] += piece or ""
+                        tokens[i] += made
+                    choices = []
+                    for i, (c, text) in enumerate(zip(completions, texts)):
+                        logprobs = c.logprobs_json(tokens[i])
+                        choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                        "logprobs": logprobs, "finish_reason": c.finish_reason} if chat else
+                                       {"index": i, "text": text, "logprobs": logprobs,
+                                        "finish_reason": c.finish_reason})
                     self._json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                     "created": int(time.time()), "model": model.name, "choices": [choice],
-                                     "usage": completion.usage()})
+                                     "created": int(time.time()), "model": model.name, "choices": choices,
+                                     "usage": usage_of(completions)})
             except errors.KilnError as e:  # failed midway: the status line may be gone already
                 if not body.get("stream"):
                     status, kind = _STATUS.get(e.code, (500, "server_error"))
                     self._error(status, kind, str(e))
 
-        def _stream(self, completion: Completion, rid: str, chat: bool, usage: bool) -> None:
+        def _stream(self, completions: list, rid: str, chat: bool, usage: bool) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
@@ -356,35 +422,41 @@ def make_handler(pipeline, model: Model):
             self.close_connection = True
             created = int(time.time())
 
-            def event(delta: Optional[dict], text: Optional[str], finish, last: bool = False,
+            def event(i: int, delta: Optional[dict], text: Optional[str], finish, last: bool = False,
                       logprobs: Optional[dict] = None) -> None:
                 if chat:
-                    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                    choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                     obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model.name,
                            "choices": [choice]}
                 else:
-                    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                    choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
                     obj = {"id": rid, "object": "text_completion", "created": created, "model": model.name,
                            "choices": [choice]}
                 if usage:  # every chunk says it has none; the last one, with no choices, has it
-                    obj["usage"] = completion.usage() if last else None
+                    obj["usage"] = usage_of(completions) if last else None
                     if last:
                         obj["choices"] = []
                 self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
                 self.wfile.flush()
 
+            choices = merged(completions)
             try:
                 if chat:
-                    event({"role": "assistant", "content": ""}, None, None)
-                for piece, tokens in completion.chunks():
-                    event({"content": piece}, piece, None, logprobs=completion.logprobs_json(tokens))
-                event({}, "", completion.finish_reason)
+                    for i in range(len(completions)):
+                        event(i, {"role": "assistant", "content": ""}, None, None)
+                for i, piece, tokens in choices:
+                    if piece is None:  # choice i is done
+                        event(i, {}, "", completions[i].finish_reason)
+                    else:
+                        event(i, {"content": piece}, piece, None, logprobs=completions[i].logprobs_json(tokens))
                 if usage:
-                    event(None, None, None, last=True)
+                    event(0, None, None, None, last=True)
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
-                pass  # the client left: chunks() closed its token stream, freeing the sequence
+                pass  # the client left
+            finally:
+                choices.close()  # every choice's token stream is closed, freeing its sequence
 
     return Handler
 

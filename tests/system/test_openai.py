@@ -131,6 +131,28 @@ def test_logprobs_are_the_models_for_completions_and_chats(server):
                                           temperature=0).choices[0].logprobs is None
 
 
+def test_n_choices_are_sequences_of_their_own(server):
+    """n choices: greedy ones all equal transformers'; sampled ones each draw their own (and a seed
+    repeats them all); streamed, each chunk names its choice; usage counts the prompt once."""
+    client, model, tok = server
+    want, _ = _greedy_text(model, tok, "w5 w6 w7", 8)
+    r = client.completions.create(model="tiny-chat", prompt="w5 w6 w7", max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1] and [c.text for c in r.choices] == [want, want]
+    one = client.completions.create(model="tiny-chat", prompt="w5 w6 w7", max_tokens=8, temperature=0)
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 2 * one.usage.completion_tokens
+    sampled = [[c.text for c in client.completions.create(model="tiny-chat", prompt="w9", max_tokens=10,
+                                                          temperature=1.0, seed=11, n=3).choices] for _ in range(2)]
+    assert sampled[0] == sampled[1] and len(set(sampled[0])) > 1
+    chunks = list(client.completions.create(model="tiny-chat", prompt="w9", max_tokens=10, temperature=1.0, seed=11,
+                                            n=3, stream=True, stream_options={"include_usage": True}))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert streamed == sampled[0]
+    assert chunks[-1].usage.prompt_tokens == 1
+    messages = [{"role": "user", "content": "w20 w21"}]
+    c = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=4, temperature=0, n=2)
+    assert len(c.choices) == 2 and c.choices[0].message.content == c.choices[1].message.content
+
+
 def test_a_stream_ends_with_its_usage_when_asked(server):
     client, model, tok = server
     want, _ = _greedy_text(model, tok, "w5 w6 w7", 8)
@@ -200,8 +222,8 @@ def test_errors_are_openai_errors(server):
                                      logprobs=None).choices[0].text is not None
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="gpt-9", prompt="w1", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.completions.create(model="tiny-chat", prompt="w1", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"n must be an integer in \[1, 16\]"):
+        client.completions.create(model="tiny-chat", prompt="w1", max_tokens=2, n=17)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="tiny-chat", messages=[], max_tokens=2)
     assert client.completions.create(model="tiny-chat", prompt="w1", max_tokens=2).choices[0].text is not None
