@@ -100,8 +100,8 @@ def choice_seeds(body: dict) -> list[int]:
         raise errors.InvalidArgument(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
     if seed is None:
         seed = secrets.randbelow(1 << 31)
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise errors.InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 62:
+        raise errors.InvalidArgument(f"seed must be an integer in [0, 2^62), got {seed!r}")
     return [seed + i for i in range(n)]
 
 
