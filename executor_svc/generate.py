@@ -9,8 +9,11 @@ slots; a masked key gets exactly zero weight, so a sequence's tokens do not depe
 was batched with. Tokens go to each sequence's queue as they are made.
 
 Limits: at most `max_sequences` sequences at once and the CausalLM's max context (prompt plus
-new tokens); beyond them ResourceExhausted. A cancelled sequence (its client went away) leaves
-at once: its slot and its cache are released before the next step.
+new tokens). A request that finds every sequence slot taken waits in a bounded queue
+(KILN_MAX_WAITING, default WAITING_PER_SEQUENCE per slot) and starts when a slot frees, in
+arrival order; past the context, or with the queue full, it gets ResourceExhausted. A cancelled
+sequence (its client went away) leaves at once: its slot and its cache are released before the
+next step, and a waiting one leaves the queue.
 """
 
 from __future__ import annotations
@@ -34,6 +37,22 @@ MIN_PAST = 2  # kiln/llm.py: the decode program's cache holds at least two slots
 FINISH_LENGTH, FINISH_EOS, FINISH_STOP = "length", "eos", "stop"
 CANCELLED = object()  # ends a cancelled sequence's stream
 MAX_LOGPROBS = 20      # most likely tokens reported per token, at most (OpenAI's top_logprobs bound)
+
+
+WAITING_PER_SEQUENCE = 4  # requests that may wait per sequence slot, by default
+
+
+def max_waiting_setting(max_sequences: int) -> int:
+    """KILN_MAX_WAITING: requests that may wait for a sequence slot (0: none wait, a full
+    executor refuses at once). Default WAITING_PER_SEQUENCE per slot."""
+    v = os.environ.get("KILN_MAX_WAITING", "")
+    try:
+        n = int(v) if v else WAITING_PER_SEQUENCE * max_sequences
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise InvalidArgument(f"KILN_MAX_WAITING must be a whole number of requests, at least 0, got {v!r}")
+    return n
 
 
 def max_sequences_setting(default: int) -> int:
@@ -133,6 +152,7 @@ class Batcher:
     def __init__(self, lm, prefill, decode, run, max_sequences: int):
         self.lm, self.prefill, self.decode, self.run = lm, prefill, decode, run
         self.max_sequences = max_sequences
+        self.max_waiting = max_waiting_setting(max_sequences)
         self.eos = frozenset(int(e) for e in lm.eos_token_ids)
         self.cond = threading.Condition()
         self.pending: deque[Sequence] = deque()
@@ -174,9 +194,10 @@ class Batcher:
         seq = Sequence(list(prompt), max_new_tokens or room, sampling, [tuple(s) for s in stop],
                        frozenset() if ignore_eos else self.eos)
         with self.cond:
-            if len(self.pending) + len(self.active) >= self.max_sequences:
-                raise ResourceExhausted(f"this executor is generating {self.max_sequences} sequences for this model, "
-                                        "its limit; retry later")
+            if len(self.active) + len(self.pending) >= self.max_sequences + self.max_waiting:
+                raise ResourceExhausted(f"this executor holds {self.max_sequences + self.max_waiting} requests for "
+                                        f"this model ({self.max_sequences} generating at once, {self.max_waiting} "
+                                        "waiting), its limit; retry later")
             self.pending.append(seq)
             EXECUTOR_QUEUE.inc()
             self._waiting.inc()
@@ -216,8 +237,9 @@ class Batcher:
             with self.cond:
                 while not self.pending and not self.active:
                     self.cond.wait()
-                arrived = list(self.pending)
-                self.pending.clear()
+                # as many as there are free slots, in arrival order; the rest wait
+                arrived = [self.pending.popleft() for _ in range(min(len(self.pending),
+                                                                    self.max_sequences - len(self.active)))]
                 self.active.extend(arrived)
                 EXECUTOR_QUEUE.dec(len(arrived))
                 EXECUTOR_ACTIVE.inc(len(arrived))

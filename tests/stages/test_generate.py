@@ -178,8 +178,9 @@ def test_stop_sequences_and_eos(llama):
 
 
 def test_limits_are_resource_exhausted(llama, monkeypatch):
-    """Past the context (prompt plus new tokens) or the executor's concurrent sequences:
-    RESOURCE_EXHAUSTED, and the executor keeps serving. Bad requests: INVALID_ARGUMENT."""
+    """Past the context (prompt plus new tokens), or with every sequence slot taken and the
+    waiting queue full: RESOURCE_EXHAUSTED, and the executor keeps serving. A request that finds
+    the slots taken waits for one. Bad requests: INVALID_ARGUMENT."""
     from executor_svc.executor import Executor
 
     p, model, lm = llama
@@ -192,15 +193,24 @@ def test_limits_are_resource_exhausted(llama, monkeypatch):
     with pytest.raises(errors.InvalidArgument, match="temperature"):
         list(p.generate(lm, [5], 4, temperature=-1.0))
     monkeypatch.setenv("KILN_MAX_SEQUENCES", "2")
-    executor = Executor(p.store)  # a second executor: its own limit
+    monkeypatch.setenv("KILN_MAX_WAITING", "1")
+    executor = Executor(p.store)  # a second executor: its own limits
     batcher = executor.batcher(lm)
-    held = [batcher.submit(_prompt(4, i), 100) for i in range(2)]
-    with pytest.raises(errors.ResourceExhausted, match="its limit"):
-        batcher.submit(_prompt(4, 9), 4)
-    batcher.cancel(held[0])
-    assert len(list(batcher.submit(_prompt(4, 9), 4).stream())) == 4
+    run = batcher.run
+    batcher.run = lambda *a: (time.sleep(0.05), run(*a))[1]  # steps slow enough that the slots stay taken
+    held = [batcher.submit(_prompt(4, i), 100, ignore_eos=True) for i in range(2)]
+    waiting = batcher.submit(_prompt(4, 9), 4)  # every slot is taken: it waits for one
+    with pytest.raises(errors.ResourceExhausted, match=r"holds 3 requests .*2 generating at once, 1 waiting\), its limit"):
+        batcher.submit(_prompt(4, 10), 4)
+    time.sleep(0.5)
+    assert waiting.out.empty() and batcher.busy() == 3  # still waiting while both slots run
+    batcher.cancel(held[0])  # a slot frees: the waiting request runs, as it would have alone
+    assert [t for t, _, _, _, _ in waiting.stream()] == [t for t, _ in p.generate(lm, _prompt(4, 9), 4)]
     batcher.cancel(held[1])
     assert batcher.busy() == 0
+    monkeypatch.setenv("KILN_MAX_WAITING", "none")
+    with pytest.raises(errors.InvalidArgument, match="KILN_MAX_WAITING"):
+        Executor(p.store).batcher(lm)
 
 
 def test_a_closed_stream_frees_its_sequence_at_once(llama):
