@@ -30,7 +30,8 @@ STAGES = ("importer", "optimizer", "codegen", "executor")
 
 # (bundle, median s, min s, relative to each round's fastest, share of the CPUs others took)
 Timing = tuple[Digest, float, float, float, float]
-# (token id, finish reason: "" until the last token, then "length", "eos" or "stop")
+
+
 class Token(tuple):
     """A new token: the pair (token id, finish reason: "" until the last one, then "length", "eos"
     or "stop"), with `logprob`, its log-probability under the model, and `top`, the most likely
