@@ -519,9 +519,9 @@ class Executor:
         its figures are over the rounds it was timed in (halvings come every DROP_AFTER_ROUNDS
         rounds, or every round for candidates that run long: LONG_RUN_S). The first round's
         untimed runs are the warm-up: they load the kernels (or compile those not compiled by
-        then). Timing stops after `repeats` rounds, or
-        earlier: once at most two candidates are left and each has been timed in FINAL_ROUNDS
-        rounds (decided), or once it has run for profile_budget() seconds and MIN_ROUNDS rounds.
+        then). Timing stops after `repeats` rounds, or earlier: once at most two candidates are
+        left and each has been timed in FINAL_ROUNDS rounds (decided), or once it has run for
+        profile_budget() seconds and every candidate has been ranked.
 
         Every run calls the candidate's compiled kernels from its entry's Python function
         (host_only): a losing candidate never waits for a compiled entry (HOST_RUNS; 5-6 s each
@@ -587,9 +587,9 @@ class Executor:
                         self.run_session(s, inputs)
                         times[i].append(time.perf_counter() - t0)
                     if r == 0:
-                        paired = min(t[0] for t in times) < PAIR_BELOW_S
-                        if min(t[0] for t in times) >= LONG_RUN_S:
-                            every = 1
+                        shortest = min(t[0] for t in times)
+                        paired = shortest < PAIR_BELOW_S
+                        every = 1 if shortest >= LONG_RUN_S else every
                 others = load.others_busy()
             relative = paired_ratios(times)
             ps.set_attribute("kiln.rounds", rounds)

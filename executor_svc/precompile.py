@@ -144,7 +144,8 @@ def precompile(kernels: dict[str, tuple[Callable, set]], workers: int = 0) -> in
     current_span().set_attribute("kiln.worker_compile_s", sum(s for s, _ in seconds))
     current_span().set_attribute("kiln.longest_kernel_s", max((s for s, _ in seconds), default=0.0))
     # the slowest kernels by name, what to look at first when a compile is slow
-    current_span().set_attribute("kiln.slowest_kernels", ", ".join(f"{name} {s:.1f}s" for s, name in sorted(seconds)[::-1][:5]))
+    slowest = sorted(seconds, reverse=True)[:5]
+    current_span().set_attribute("kiln.slowest_kernels", ", ".join(f"{name} {s:.1f}s" for s, name in slowest))
     return len(done)
 
 

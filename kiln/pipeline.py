@@ -181,13 +181,13 @@ class Pipeline:
         calibrated profile if the target has one already (a compile never measures the machine
         just to rank one candidate)."""
         candidates = default_candidates() if candidates is None else candidates
-        what = ({"kiln.program": str(program)} if isinstance(program, Digest) else
-                {"kiln.graph": str(program.graph)} if isinstance(program, Imported) else {})
-        with span("kiln.compile_program", **what, **{"kiln.remote": self.remote}):
+        with span("kiln.compile_program", **{"kiln.remote": self.remote}) as s:
             live.stage("import")
             if isinstance(program, Digest):
+                s.set_attribute("kiln.program", str(program))
                 graph, manifest = self.import_program(program)
             elif isinstance(program, Imported):
+                s.set_attribute("kiln.graph", str(program.graph))
                 graph, manifest = program.graph, program.manifest
             else:
                 graph, manifest = self.import_exported(program)

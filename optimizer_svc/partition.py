@@ -148,15 +148,10 @@ def schedule_choices(kg: KernelGraph, schedule: Schedule) -> tuple:
         n = g.nodes[i]
         return largest_elements(g, n.inputs[0] if n.op in GroupOp.Reduce else i)
 
-    known = g.memo("kernel_schedule")
-
     def chosen(k: Kernel):  # the search's schedule for the kernel, where its root has one
         if not schedule.searched or k.kind not in ("gemm", "attention", "row", "reduce"):
             return None
-        at = (k.kind, k.output, k.nodes)
-        if at not in known:
-            known[at] = _searched_schedule(g, k)
-        return known[at]
+        return g.fact("searched_schedule", (k.kind, k.output, k.nodes), lambda: _searched_schedule(g, k))
 
     def parallel(k: Kernel) -> bool:  # by the size thresholds
         if k.kind in ("elementwise", "reduce", "row"):

@@ -13,11 +13,13 @@ end-of-sequence token finishes with "stop", the token limit with "length". A pro
 token ids; a chat message's content is text or a list of text parts. `stream_options`'
 `include_usage` adds the usage chunk at the end of a stream. `logprobs` (a completion: 0..20; a
 chat: true, with `top_logprobs` 0..20) reports each token's log-probability under the model.
-`n` choices (up to 16) are `n` sequences, each drawing with its own seed. Errors come back as OpenAI's error object: 400 for a bad request
-(a prompt and max_tokens past the model's context among them: a client retries a 429), and for any field kiln does not
-support (tools, response_format, penalties, ...: named, never ignored); 404 for an unknown model
-or path; 429 past a limit (the executor's RESOURCE_EXHAUSTED). `/health` answers 200 once the
-model is served, and `/metrics` has this process's metrics (generation's under vLLM's names:
+`n` choices (up to 16) are `n` sequences, each drawing with its own seed.
+
+Errors come back as OpenAI's error object: 400 for a bad request (a prompt and max_tokens past
+the model's context among them: a client retries a 429) and for any field kiln does not support
+(tools, response_format, penalties, ...: named, never ignored); 404 for an unknown model or path;
+429 past a limit (the executor's RESOURCE_EXHAUSTED). `/health` answers 200 once the model is
+served, and `/metrics` has this process's metrics (generation's under vLLM's names:
 kiln.core.metrics).
 """
 

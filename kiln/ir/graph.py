@@ -106,16 +106,19 @@ class Graph:
     # symbolic dims: (name, min, max), sorted by name
     symbols: tuple[tuple[str, int, int], ...] = ()
 
-    def memo(self, fact: str) -> dict:
-        """A cache of one fact about this graph (per node: node index -> value), kept with it: its
-        nodes never change, so a fact the optimizer asks for again (a GEMM's axes, a node's
-        element count, its serialization) for every candidate schedule is worked out once. Not
-        part of the graph's value."""
+    def fact(self, name: str, key, compute):
+        """A fact about this graph (`name` of `key`: a node's, a kernel's), computed once and kept
+        with it: its nodes never change, so what the optimizer asks for again for every candidate
+        schedule (a GEMM's axes, a node's element count, the graph's serialization) is worked out
+        once. Not part of the graph's value."""
         facts = self.__dict__.get("_facts")
         if facts is None:
             facts = {}
             object.__setattr__(self, "_facts", facts)
-        return facts.setdefault(fact, {})
+        known = facts.setdefault(name, {})
+        if key not in known:
+            known[key] = compute()
+        return known[key]
 
     def consumers(self) -> list[list[int]]:
         users: list[list[int]] = [[] for _ in self.nodes]

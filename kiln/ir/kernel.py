@@ -101,10 +101,8 @@ class Gemm:
 
 def largest_elements(g: Graph, i: int) -> int:
     """Node i's element count with every symbol at its largest (what the optimizer sizes kernels by)."""
-    known = g.memo("largest_elements")
-    if i not in known:
-        known[i] = evaluate_dim(numel(g.nodes[i].shape), {name: hi for name, _, hi in g.symbols})
-    return known[i]
+    return g.fact("largest_elements", i,
+                  lambda: evaluate_dim(numel(g.nodes[i].shape), {name: hi for name, _, hi in g.symbols}))
 
 
 def kernel_gemm(g: Graph, k: Kernel) -> Optional[int]:
@@ -139,10 +137,7 @@ def broadcasts(v: ViewSpec) -> bool:
 
 def gemm_axes(g: Graph, reduce_id: int) -> Optional[Gemm]:
     """The GEMM that reduce_id computes, or None when it is not one."""
-    known = g.memo("gemm_axes")
-    if reduce_id not in known:
-        known[reduce_id] = _gemm_axes(g, reduce_id)
-    return known[reduce_id]
+    return g.fact("gemm_axes", reduce_id, lambda: _gemm_axes(g, reduce_id))
 
 
 def _gemm_axes(g: Graph, reduce_id: int) -> Optional[Gemm]:
@@ -180,10 +175,7 @@ def _gemm_axes(g: Graph, reduce_id: int) -> Optional[Gemm]:
 
 def gemm_dims(g: Graph, gi: int):
     """(Mul shape, batch, M, N, K sizes) of the GEMM that SumReduce gi computes."""
-    known = g.memo("gemm_dims")
-    if gi not in known:
-        known[gi] = _gemm_dims(g, gi)
-    return known[gi]
+    return g.fact("gemm_dims", gi, lambda: _gemm_dims(g, gi))
 
 
 def _gemm_dims(g: Graph, gi: int):

@@ -123,11 +123,8 @@ def graph_from_pb(p: ir_pb2.Graph) -> Graph:
 
 def kernel_graph_to_pb(kg: KernelGraph, source_graph=None):
     # the optimizer's candidates share one graph: it is serialized once (0.1 s at 30 layers)
-    known = kg.graph.memo("pb")
-    if "graph" not in known:
-        known["graph"] = graph_to_pb(kg.graph)
     p = ir_pb2.KernelGraph()
-    p.graph.CopyFrom(known["graph"])
+    p.graph.CopyFrom(kg.graph.fact("pb", None, lambda: graph_to_pb(kg.graph)))
     for k in kg.kernels:
         p.kernels.add(name=k.name, kind=k.kind, nodes=list(k.nodes), output=k.output, reads=list(k.reads),
                       parallel=k.parallel, axis=k.axis, scores=max(k.scores, 0), order=k.order,
